@@ -1,0 +1,345 @@
+"""Band attention speed and memory, every implementation side by side in one process.
+
+  python benchmarks/attention.py                      # ours vs dense, batch 1, seq 1K..64K
+  python benchmarks/attention.py --peers              # + pallas, cuDNN, torch flex / HF (if importable)
+  python benchmarks/attention.py --seqs 1024 4096 --reps 3 --out benchmarks/results
+
+Shapes follow DESIGN.md §4: 12 heads, head_dim 64, one-sided window 256. Each implementation's
+output is checked against the chunked path before it is timed. Times are medians of `--reps`
+runs after a warm-up; only ratios between rows of the SAME run are meaningful (shared machines
+drift). TFLOP/s are counted on the attended pairs P (DESIGN.md §2), never on computed tiles.
+Peak memory is XLA's compiled footprint (arguments + outputs + temporaries) for JAX rows, and
+the allocator's peak for torch rows on GPU.
+
+Writes `<out>/attention_<device>_<date>.json` (a list of rows with keys device, date, impl, mode,
+seq, batch, heads, head_dim, window, dilation, globals, ms_fwd, ms_fwdbwd, tflops_fwdbwd,
+peak_bytes) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from longformer_jax import ops  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  seq: int
+  batch: int = 1
+  heads: int = 12
+  head_dim: int = 64
+  window: int = 256
+  causal: bool = False
+  dilation: tuple | int = 1
+  globals_: int = 0
+
+  @property
+  def mode(self):
+    return "causal" if self.causal else "bidir"
+
+  def attended_pairs(self) -> int:
+    """P per head and batch row (DESIGN.md §2), ignoring dilation's edge effects."""
+    n, w = self.seq, min(self.window, self.seq - 1)
+    if self.causal:
+      return n * (w + 1) - w * (w + 1) // 2
+    return n * (2 * w + 1) - w * (w + 1)
+
+  def flops_fwdbwd(self) -> float:
+    return 14.0 * self.attended_pairs() * self.head_dim * self.heads * self.batch
+
+
+def median_ms(fn: Callable, args, reps: int) -> float:
+  jax.block_until_ready(fn(*args))  # compile + warm-up
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - start) * 1e3)
+  return statistics.median(times)
+
+
+def compiled_peak_bytes(fn: Callable, args) -> int | None:
+  try:
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+  except Exception:  # Not every backend reports it.
+    return None
+  if stats is None:
+    return None
+  return int(stats.argument_size_in_bytes + stats.output_size_in_bytes
+             + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+# ------------------------------------------------------------------------------------------------
+# JAX implementations: each maps (shape) -> f(q, k, v) -> out, all [batch, seq, heads, head_dim].
+
+
+def ours(impl: str):
+  def make(shape: Shape):
+    kwargs = dict(window=shape.window, dilation=shape.dilation, causal=shape.causal, impl=impl)
+    if shape.globals_:
+      gm = jnp.zeros((shape.batch, shape.seq), bool).at[:, :shape.globals_].set(True)
+      return lambda q, k, v: ops.longformer_attention(q, k, v, global_mask=gm,
+                                                      global_qkv=(q, k, v), **kwargs)
+    return lambda q, k, v: ops.longformer_attention(q, k, v, **kwargs)
+  return make
+
+
+def xla_dense(shape: Shape):
+  """jax.nn.dot_product_attention with a (two-sided) local window: XLA builds an n x n mask."""
+  if shape.dilation not in (1, (1,) * shape.heads) or shape.globals_:
+    return None
+  left, right = shape.window, 0 if shape.causal else shape.window
+  return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, local_window_size=(left, right), implementation="xla")
+
+
+def cudnn_causal(shape: Shape):
+  """cuDNN's sliding window: causal only (DESIGN.md §3), GPU only."""
+  if (not shape.causal or jax.default_backend() != "gpu" or shape.globals_
+      or shape.dilation not in (1, (1,) * shape.heads)):
+    return None
+  return lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, local_window_size=(shape.window, 0), implementation="cudnn")
+
+
+def dense_fits(shape: Shape, budget_bytes: float) -> bool:
+  # fwd+bwd keeps a few float32 [batch, heads, seq, seq] arrays alive.
+  return 4 * 4 * shape.batch * shape.heads * shape.seq**2 < budget_bytes
+
+
+def bench_jax(name: str, make, shape: Shape, dtype, reps: int, reference_out=None,
+              tolerance: float = 0.0):
+  fn = make(shape)
+  if fn is None:
+    return None
+  keys = jax.random.split(jax.random.key(0), 3)
+  args = [jax.random.normal(k_, (shape.batch, shape.seq, shape.heads, shape.head_dim), dtype)
+          for k_ in keys]
+  fwd = jax.jit(fn)
+  out = fwd(*args)
+  if reference_out is not None:
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference_out.astype(jnp.float32))))
+    if not err <= tolerance:
+      raise AssertionError(f"{name} differs from the chunked path by {err} at {shape}")
+  loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32))
+  fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  row = dict(impl=name, ms_fwd=median_ms(fwd, args, reps),
+             ms_fwdbwd=median_ms(fwdbwd, args, reps),
+             peak_bytes=compiled_peak_bytes(jax.grad(loss, argnums=(0, 1, 2)), args))
+  return row, out
+
+
+# ------------------------------------------------------------------------------------------------
+# Torch peers (only with --peers and torch importable).
+
+
+def torch_peers(shape: Shape, dtype_name: str, reps: int):
+  try:
+    import torch
+  except ImportError:
+    print("  (torch not importable: torch peers skipped)")
+    return []
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+  rows = []
+
+  def time_torch(fn, make_inputs):
+    def once():
+      inputs = make_inputs()
+      out = fn(*inputs)
+      out.float().sum().backward()
+    def fwd_only():
+      with torch.no_grad():
+        fn(*make_inputs())
+    res = {}
+    for key, f in (("ms_fwd", fwd_only), ("ms_fwdbwd", once)):
+      f()
+      samples = []
+      for _ in range(reps):
+        if device == "cuda":
+          torch.cuda.synchronize()
+        start = time.perf_counter()
+        f()
+        if device == "cuda":
+          torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e3)
+      res[key] = statistics.median(samples)
+    if device == "cuda":
+      res["peak_bytes"] = int(torch.cuda.max_memory_allocated())
+      torch.cuda.reset_peak_memory_stats()
+    return res
+
+  b, n, h, d, w = shape.batch, shape.seq, shape.heads, shape.head_dim, shape.window
+  if shape.dilation in (1, (1,) * h) and not shape.globals_:
+    try:
+      from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+      def sliding(b_, h_, q_idx, kv_idx):
+        near = (q_idx - kv_idx <= w) & (q_idx - kv_idx >= (0 if shape.causal else -w))
+        return near
+      mask = create_block_mask(sliding, None, None, n, n, device=device)
+      flex = torch.compile(flex_attention) if device == "cuda" else flex_attention
+      make = lambda: [torch.randn(b, h, n, d, device=device, dtype=tdtype, requires_grad=True)
+                      for _ in range(3)]
+      rows.append(dict(impl="torch_flex_attention",
+                       **time_torch(lambda q, k, v: flex(q, k, v, block_mask=mask), make)))
+    except Exception as e:  # Report, don't hide: the row says why it is missing.
+      print(f"  torch flex_attention failed: {type(e).__name__}: {e}")
+  if not shape.causal:
+    try:
+      from transformers import LongformerConfig
+      from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+      cfg = LongformerConfig(hidden_size=h * d, num_attention_heads=h,
+                             attention_window=[2 * w], num_hidden_layers=1)
+      layer = LongformerSelfAttention(cfg, layer_id=0).to(device=device, dtype=tdtype)
+      mask = torch.zeros(b, n, device=device)
+      mask[:, :shape.globals_] = 1  # HF: >0 global, 0 local, <0 padding
+      is_masked, is_global = mask < 0, mask > 0
+      def hf(x):
+        return layer(x, attention_mask=mask, is_index_masked=is_masked,
+                     is_index_global_attn=is_global, is_global_attn=bool(shape.globals_))[0]
+      make = lambda: [torch.randn(b, n, h * d, device=device, dtype=tdtype, requires_grad=True)]
+      rows.append(dict(impl="hf_LongformerSelfAttention(incl_qkv_proj)", **time_torch(hf, make)))
+    except Exception as e:
+      print(f"  HF LongformerSelfAttention failed: {type(e).__name__}: {e}")
+  return rows
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--seqs", type=int, nargs="+",
+                      default=[1024, 2048, 4096, 8192, 16384, 32768, 65536])
+  parser.add_argument("--batches", type=int, nargs="+", default=[1])
+  parser.add_argument("--modes", nargs="+", default=["bidir", "causal"],
+                      choices=["bidir", "causal"])
+  parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                      help="default: float32 on CPU, bfloat16 on accelerators")
+  parser.add_argument("--reps", type=int, default=5)
+  parser.add_argument("--peers", action="store_true",
+                      help="add pallas, cuDNN, dilation/global variants and torch peers")
+  parser.add_argument("--dense-budget-gb", type=float, default=None,
+                      help="skip dense rows whose n x n arrays exceed this (default: 1/3 of RAM "
+                           "on CPU, 1/2 of device memory elsewhere)")
+  parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+  args = parser.parse_args(argv)
+
+  backend = jax.default_backend()
+  device = jax.devices()[0].device_kind
+  dtype_name = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+  dtype = jnp.dtype(dtype_name)
+  if args.dense_budget_gb is not None:
+    budget = args.dense_budget_gb * 2**30
+  elif backend == "cpu":
+    budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 3
+  else:
+    budget = 0.5 * (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 16 * 2**30)
+  tolerance = 2e-2 if dtype == jnp.bfloat16 else 2e-4
+  today = datetime.date.today().isoformat()
+  print(f"device={device} backend={backend} dtype={dtype_name} jax={jax.__version__} "
+        f"date={today}")
+
+  shapes = []
+  for mode in args.modes:
+    for batch in args.batches:
+      for seq in args.seqs:
+        shapes.append(Shape(seq=seq, batch=batch, causal=mode == "causal"))
+        if args.peers and mode == "bidir":
+          shapes.append(Shape(seq=seq, batch=batch, dilation=(2, 2) + (1,) * 10, globals_=1))
+
+  impls = [("chunked", ours("chunked")), ("reference", ours("reference")),
+           ("xla_dense_local_window", xla_dense)]
+  if args.peers:
+    impls += [("pallas", ours("pallas")), ("cudnn_sliding_window", cudnn_causal)]
+
+  rows = []
+  for shape in shapes:
+    print(f"{shape.mode} seq={shape.seq} batch={shape.batch} dilation={shape.dilation} "
+          f"globals={shape.globals_}", flush=True)
+    base, chunked_out = None, None
+    for name, make in impls:
+      if name in ("reference", "xla_dense_local_window") and not dense_fits(shape, budget):
+        continue
+      if name == "pallas" and backend == "cpu":
+        continue  # interpret mode times nothing useful
+      try:
+        result = bench_jax(name, make, shape, dtype, args.reps, chunked_out, tolerance)
+      except Exception as e:  # One failing implementation must not lose the others' rows.
+        print(f"  {name} failed: {type(e).__name__}: {str(e)[:300]}")
+        continue
+      if result is None:
+        continue
+      row, out = result
+      if name == "chunked":
+        chunked_out = out
+      rows.append(row | {"shape": shape})
+      print(f"  {name:28s} fwd {row['ms_fwd']:9.2f} ms  fwd+bwd {row['ms_fwdbwd']:9.2f} ms",
+            flush=True)
+    if args.peers:
+      for row in torch_peers(shape, dtype_name, args.reps):
+        rows.append(row | {"shape": shape})
+        print(f"  {row['impl']:28s} fwd {row['ms_fwd']:9.2f} ms  fwd+bwd "
+              f"{row['ms_fwdbwd']:9.2f} ms", flush=True)
+
+  records = []
+  for row in rows:
+    shape = row.pop("shape")
+    records.append(dict(
+        device=device, date=today, dtype=dtype_name, impl=row["impl"], mode=shape.mode,
+        seq=shape.seq, batch=shape.batch, heads=shape.heads, head_dim=shape.head_dim,
+        window=shape.window, dilation=shape.dilation, globals=shape.globals_,
+        ms_fwd=round(row["ms_fwd"], 3), ms_fwdbwd=round(row["ms_fwdbwd"], 3),
+        tflops_fwdbwd=round(shape.flops_fwdbwd() / (row["ms_fwdbwd"] * 1e-3) / 1e12, 4),
+        peak_bytes=row.get("peak_bytes")))
+
+  out_dir = pathlib.Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  slug = device.replace(" ", "_").replace("/", "_")
+  path = out_dir / f"attention_{slug}_{today}.json"
+  tmp = path.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(records, indent=1))
+  os.replace(tmp, path)  # atomic: never a half-written result file
+  print(f"\nwrote {path}\n")
+  print(markdown_table(records))
+
+
+def markdown_table(records) -> str:
+  """fwd+bwd ms (and peak MB/token) per implementation and sequence length."""
+  lines = ["| mode | batch | impl | seq | fwd ms | fwd+bwd ms | TFLOP/s (P) | peak MB | "
+           "peak KB/token | vs chunked fwd+bwd |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  chunked = {(r["mode"], r["batch"], r["seq"], str(r["dilation"]), r["globals"]): r["ms_fwdbwd"]
+             for r in records if r["impl"] == "chunked"}
+  for r in records:
+    key = (r["mode"], r["batch"], r["seq"], str(r["dilation"]), r["globals"])
+    peak = r["peak_bytes"]
+    ratio = r["ms_fwdbwd"] / chunked[key] if key in chunked else float("nan")
+    mode = r["mode"] + ("" if r["dilation"] == 1 else " dil2x2") + (
+        f" +{r['globals']}g" if r["globals"] else "")
+    lines.append(
+        f"| {mode} | {r['batch']} | {r['impl']} | {r['seq']} | {r['ms_fwd']:.2f} | "
+        f"{r['ms_fwdbwd']:.2f} | {r['tflops_fwdbwd']:.3f} | "
+        f"{'' if peak is None else f'{peak / 2**20:.0f}'} | "
+        f"{'' if peak is None else f'{peak / 2**10 / (r['seq'] * r['batch']):.1f}'} | "
+        f"{ratio:.2f}x |")
+  return "\n".join(lines)
+
+
+if __name__ == "__main__":
+  main()

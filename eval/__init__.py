@@ -1,0 +1,1 @@
+"""Evaluation entry points (`python -m eval.bpc --workdir runs/char_tiny`)."""

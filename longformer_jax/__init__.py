@@ -1,0 +1,21 @@
+"""longformer-jax: Longformer (Beltagy, Peters, Cohan 2020) in JAX / Flax NNX.
+
+  ops           pure functions: `ops.longformer_attention` and the band kernels behind it
+  LongformerConfig, Longformer*      NNX models matching HF's classes (`convert` to/from HF)
+  checkpoint    Orbax save/load of any model here
+  data          enwik8 / text8 (and the bundled samples), wikifil, the batch sampler
+"""
+
+# `ops` first: the model modules import it.
+from longformer_jax import ops
+from longformer_jax import checkpoint, convert
+from longformer_jax.checkpoint import load_model, save_model
+from longformer_jax.config import LongformerConfig
+from longformer_jax.convert import from_hf, roberta_to_longformer, to_hf
+from longformer_jax.layers import LongformerEmbeddings, LongformerLayer, LongformerSelfAttention
+from longformer_jax.modeling import (
+    LongformerForMaskedLM, LongformerForMultipleChoice, LongformerForQuestionAnswering,
+    LongformerForSequenceClassification, LongformerForTokenClassification, LongformerLogitsOutput,
+    LongformerModel, LongformerModelOutput, LongformerQuestionAnsweringOutput)
+
+__version__ = "0.1.0"

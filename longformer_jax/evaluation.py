@@ -1,0 +1,153 @@
+"""Bits per character of a causal byte LM over a whole split, every character scored once.
+
+Indexing: a split of N bytes gives N - 1 predictions; the logit at input position p predicts
+byte p + 1 (the first byte has no context and is not scored, as in every enwik8/text8 number
+in the literature). A window is the input slice [start, end) of the bytes; it scores the
+predictions made at positions [score_from, end).
+
+Protocols:
+  "sliding" (the paper's): windows of `context` bytes moved `stride` at a time, each scoring only
+    its last `stride` positions, so every prediction but those of the first window sees at least
+    context - stride bytes of history. The first window scores all its positions and the last
+    window ends at the end of the split, so each of the N - 1 predictions is scored exactly once.
+  "chunks": non-overlapping windows of `context` bytes, each scoring all its positions (cheaper,
+    and worse: the first predictions of every chunk see little history).
+
+BPC = (sum of per-prediction cross-entropies in nats) / (N - 1) / ln 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from longformer_jax.causal_lm import next_byte_nll
+
+PROTOCOLS = ("sliding", "chunks")
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+  start: int       # first input position
+  end: int         # one past the last input position
+  score_from: int  # first scored input position (start <= score_from < end)
+
+
+def window_plan(num_bytes: int, context: int, stride: int, protocol: str = "sliding"
+                ) -> list[Window]:
+  """The windows that score each of the num_bytes - 1 predictions exactly once."""
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  if context < 1:
+    raise ValueError(f"context must be >= 1, got {context}")
+  if protocol == "sliding" and not 1 <= stride <= context:
+    raise ValueError(f"stride must be in [1, context={context}], got {stride}")
+  if num_bytes < 2:
+    raise ValueError(f"a split needs at least 2 bytes to score a prediction, got {num_bytes}")
+  positions = num_bytes - 1
+  windows = []
+  if protocol == "chunks":
+    for start in range(0, positions, context):
+      windows.append(Window(start, min(start + context, positions), start))
+    return windows
+  end = min(context, positions)
+  windows.append(Window(0, end, 0))
+  while end < positions:
+    new_end = min(end + stride, positions)
+    windows.append(Window(max(0, new_end - context), new_end, end))
+    end = new_end
+  return windows
+
+
+def _batches(data: np.ndarray, windows: Sequence[Window], length: int, batch_size: int
+             ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+  """(inputs, targets, weights), each [batch_size, length]; padding rows and tails weigh 0."""
+  for first in range(0, len(windows), batch_size):
+    inputs = np.zeros((batch_size, length), np.int32)
+    targets = np.zeros((batch_size, length), np.int32)
+    weights = np.zeros((batch_size, length), np.float32)
+    for row, w in enumerate(windows[first:first + batch_size]):
+      n = w.end - w.start
+      inputs[row, :n] = data[w.start:w.end]
+      targets[row, :n] = data[w.start + 1:w.end + 1]
+      weights[row, w.score_from - w.start:n] = 1.0
+    yield inputs, targets, weights
+
+
+def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, stride: int = 512,
+                 score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
+                 windows: Sequence[int] | None = None, mesh: jax.sharding.Mesh | None = None,
+                 progress: bool = False) -> tuple[float, int]:
+  """(sum of cross-entropies in nats, number of scored predictions); see `evaluate_bpc`."""
+  if score_last is not None and protocol == "sliding" and score_last != stride:
+    raise ValueError(
+        f"score_last={score_last} differs from stride={stride}: each character is scored "
+        "exactly once only when a window scores exactly the positions it adds")
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  data = np.asarray(data)
+  if data.ndim != 1:
+    raise ValueError(f"data must be a 1-D array of token ids, got shape {data.shape}")
+  plan = window_plan(len(data), context, stride, protocol)
+  length = max(w.end - w.start for w in plan)
+  graphdef, state = nnx.split(model)
+  windows = None if windows is None else tuple(windows)
+
+  if mesh is not None:
+    batch_spec = jax.sharding.PartitionSpec(tuple(mesh.axis_names))
+    sharding = jax.sharding.NamedSharding(mesh, batch_spec)
+    ndev = mesh.devices.size
+    batch_size = -(-batch_size // ndev) * ndev   # every device gets whole rows
+  else:
+    sharding = None
+
+  @jax.jit
+  def nll_sums(state, inputs_BxL, targets_BxL, weights_BxL):
+    logits_BxLxV = nnx.merge(graphdef, state)(inputs_BxL, windows=windows)
+    nll_BxL = next_byte_nll(logits_BxLxV, targets_BxL)
+    return jnp.sum(nll_BxL * weights_BxL), jnp.sum(weights_BxL)
+
+  def put(x):
+    if sharding is None:
+      return x
+    # Each process feeds its own rows of the global batch.
+    per_process = x.shape[0] // jax.process_count()
+    local = x[jax.process_index() * per_process:(jax.process_index() + 1) * per_process]
+    return jax.make_array_from_process_local_data(sharding, local, x.shape)
+
+  total, count = 0.0, 0
+  batches = _batches(data, plan, length, batch_size)
+  if progress and jax.process_index() == 0:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    batches = tqdm(batches, total=math.ceil(len(plan) / batch_size), desc=f"eval {protocol}",
+                   unit="batch")
+  for inputs, targets, weights in batches:
+    s, c = nll_sums(state, put(inputs), put(targets), put(weights))
+    # Sum on the host in float64: a 5M-character split overflows float32's exact range.
+    total += float(s)
+    count += int(round(float(c)))
+  return total, count
+
+
+def evaluate_bpc(model: nnx.Module, data: np.ndarray, *, context: int = 32256, stride: int = 512,
+                 score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
+                 windows: Sequence[int] | None = None, mesh: jax.sharding.Mesh | None = None,
+                 progress: bool = False) -> float:
+  """Bits per character of `model` on `data` (1-D uint8/int bytes), each character scored once.
+
+  context: window length in bytes; stride: how far the window moves (sliding protocol);
+  score_last: the positions each window after the first scores; must equal stride (default);
+  protocol: "sliding" (the paper's: context 32,256, stride 512) or "chunks" (non-overlapping);
+  windows: per-layer attention windows for this evaluation (default: the model config's);
+  mesh: shard each batch over all its axes (batch_size is rounded up to a device multiple).
+  """
+  total, count = evaluate_nll(model, data, context=context, stride=stride, score_last=score_last,
+                              batch_size=batch_size, protocol=protocol, windows=windows,
+                              mesh=mesh, progress=progress)
+  return total / count / math.log(2)

@@ -1,0 +1,79 @@
+"""Band attention as blocked `jnp` einsums: the portable fast path (DESIGN.md §1).
+
+The sequence is cut into query blocks of `block` positions. With `reach = ceil(window / block)`,
+every key of a query block lies in its own key block or in the `reach` blocks on either side
+(only the left ones when causal), so each block attends a fixed slab of `(2*reach + 1) * block`
+keys. Scores are [batch, heads, blocks, block, slab]: linear in seq, never seq x seq. Positions in
+the slab outside the exact band are masked with one static [block, slab] pattern shared by every
+block. Splitting the window into blocks of at most `MAX_BLOCK` keeps the wasted slab small
+(window 256 -> block 128, slab 640 for 513 band keys) while the matmuls stay large enough to be
+efficient.
+
+Implements the band kernel contract of `band_reference.py`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from longformer_jax.ops.band_reference import masked_softmax_attention
+
+MAX_BLOCK = 128
+
+
+def default_block(window: int) -> int:
+  """The largest block <= MAX_BLOCK that divides the window into equal parts."""
+  window = max(window, 1)
+  return math.ceil(window / math.ceil(window / MAX_BLOCK))
+
+
+def _slab_band_mask(block: int, shifts, window: int, causal: bool) -> np.ndarray:
+  """[block, slab] bool: which slab keys are in the band of each query of a block."""
+  r = np.arange(block)[:, None]
+  key_offset = (np.asarray(shifts)[:, None] * block + np.arange(block)[None, :]).reshape(1, -1)
+  delta = r - key_offset  # query position - key position
+  if causal:
+    return (delta >= 0) & (delta <= window)
+  return np.abs(delta) <= window
+
+
+def band_attention_chunked(q, k, v, key_mask, *, window: int, causal: bool,
+                           block: int | None = None):
+  """Band attention over blocks; see the module docstring and `band_reference.py`."""
+  batch, seq, heads, head_dim = q.shape
+  # A window past the sequence attends everything; clamping keeps the slab no bigger than needed.
+  window = min(window, seq - 1)
+  block = block or default_block(window)
+  reach = math.ceil(window / block)
+  num_blocks = math.ceil(seq / block)
+  shifts = range(-reach, 1) if causal else range(-reach, reach + 1)
+
+  def blocks_of(x_BxN, fill):
+    # Pad `reach` blocks on the left (and right) so every shifted view is in range.
+    pad_right = num_blocks * block - seq + (0 if causal else reach * block)
+    widths = [(0, 0), (reach * block, pad_right)] + [(0, 0)] * (x_BxN.ndim - 2)
+    x = jnp.pad(x_BxN, widths, constant_values=fill)
+    return x.reshape(batch, -1, block, *x_BxN.shape[2:])
+
+  def slab_of(x_blocks):
+    # Key block b + s for every shift s, side by side: [batch, blocks, slab, ...].
+    views = [x_blocks[:, reach + s: reach + s + num_blocks] for s in shifts]
+    return jnp.concatenate(views, axis=2)
+
+  q_blocks = jnp.pad(q, [(0, 0), (0, num_blocks * block - seq), (0, 0), (0, 0)])
+  q_BKxCxHxD = q_blocks.reshape(batch * num_blocks, block, heads, head_dim)
+  k_BKxSxHxD = slab_of(blocks_of(k, 0)).reshape(batch * num_blocks, -1, heads, head_dim)
+  v_BKxSxHxD = slab_of(blocks_of(v, 0)).reshape(batch * num_blocks, -1, heads, head_dim)
+  key_ok_BKxS = slab_of(blocks_of(key_mask.astype(bool), False)).reshape(batch * num_blocks, -1)
+
+  band_CxS = jnp.asarray(_slab_band_mask(block, shifts, window, causal))
+  mask_BKx1xCxS = band_CxS[None, None] & key_ok_BKxS[:, None, None, :]
+  out, lse, _ = masked_softmax_attention(q_BKxCxHxD, k_BKxSxHxD, v_BKxSxHxD, mask_BKx1xCxS)
+
+  out = out.reshape(batch, num_blocks * block, heads, head_dim)[:, :seq]
+  lse_BxHxN = (lse.reshape(batch, num_blocks, heads, block).transpose(0, 2, 1, 3)
+               .reshape(batch, heads, num_blocks * block)[..., :seq])
+  return out, lse_BxHxN

@@ -1,0 +1,113 @@
+"""Argument checks for the attention op: every error names the offending value and what was
+expected."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _normalise_dilation(dilation, heads: int) -> tuple[int, ...]:
+  if _is_int(dilation):
+    dilation = (int(dilation),) * heads
+  elif isinstance(dilation, (tuple, list)):
+    if len(dilation) != heads:
+      raise ValueError(f"dilation={tuple(dilation)} has {len(dilation)} entries; expected one "
+                       f"per head ({heads})")
+    if not all(_is_int(d) for d in dilation):
+      raise TypeError(f"dilation={tuple(dilation)}: expected ints")
+    dilation = tuple(int(d) for d in dilation)
+  else:
+    raise TypeError(f"dilation={dilation!r}: expected an int or a tuple of {heads} ints")
+  if min(dilation) < 1:
+    raise ValueError(f"dilation={dilation}: every dilation must be >= 1")
+  return dilation
+
+
+def _check_mask(name: str, mask, batch: int, seq: int):
+  if mask is None:
+    return None
+  mask = jnp.asarray(mask)
+  if mask.shape != (batch, seq):
+    raise ValueError(f"{name} has shape {mask.shape}; expected (batch, seq) = {(batch, seq)}")
+  return mask.astype(bool)
+
+
+def _is_traced(x) -> bool:
+  return isinstance(x, jax.core.Tracer)
+
+
+def validate_attention_args(q, k, v, *, window, dilation, causal, attention_mask, global_mask,
+                            global_qkv, max_global):
+  """Checks and normalises the op's arguments.
+
+  Returns (dilations: one int per head, attention_mask: bool [batch, seq], global_mask: bool
+  [batch, seq] and-ed with attention_mask, or None when no token is global, global_qkv or None,
+  num_global: static number of global slots per row).
+  """
+  if q.ndim != 4:
+    raise ValueError(f"q has shape {q.shape}; expected [batch, seq, heads, head_dim]")
+  for name, x in (("k", k), ("v", v)):
+    if x.shape != q.shape:
+      raise ValueError(f"{name} has shape {x.shape}; expected the shape of q, {q.shape}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+  if not _is_int(window):
+    raise TypeError(f"window={window!r}: expected an int (one-sided window)")
+  if window < 1:
+    raise ValueError(f"window={window}: expected >= 1 (one-sided)")
+  if not isinstance(causal, (bool, np.bool_)):
+    raise TypeError(f"causal={causal!r}: expected a bool")
+  batch, seq, heads, _ = q.shape
+  dilation = _normalise_dilation(dilation, heads)
+  concrete = not any(_is_traced(m) for m in (attention_mask, global_mask))
+  raw_masks = (attention_mask, global_mask)
+  attention_mask = _check_mask("attention_mask", attention_mask, batch, seq)
+  if attention_mask is None:
+    attention_mask = jnp.ones((batch, seq), bool)
+  global_mask = _check_mask("global_mask", global_mask, batch, seq)
+  if max_global is not None and (not _is_int(max_global) or max_global < 0):
+    raise ValueError(f"max_global={max_global!r}: expected an int >= 0")
+
+  num_global = 0  # static number of global slots per row
+  if global_mask is not None:
+    global_mask = global_mask & attention_mask  # a padding token is never global
+    if concrete:
+      # Count on the host: under an outer trace even jnp ops on constants are staged.
+      am, gm = (np.ones((batch, seq), bool) if m is None else np.asarray(m).astype(bool)
+                for m in raw_masks)
+      num_global = int((am & gm).sum(axis=1).max()) if batch else 0
+      if max_global is not None and num_global > max_global:
+        raise ValueError(f"global_mask has {num_global} global tokens in a row; "
+                         f"max_global={max_global}")
+    elif max_global is None:
+      raise ValueError(
+          "global_mask is traced (inside jit/vmap), so the number of global tokens is unknown "
+          "when tracing; pass max_global=<static upper bound on global tokens per row>")
+    else:
+      num_global = max_global
+    if num_global == 0:
+      global_mask = None
+  if global_mask is not None:
+    if causal:
+      raise ValueError("causal=True with global tokens: a global token would see the future; "
+                       "pass no global_mask (or an all-zero one) in causal mode")
+    if global_qkv is None:
+      raise ValueError("global_mask marks global tokens but global_qkv=None; pass "
+                       "global_qkv=(q_g, k_g, v_g) from the global projections")
+    if not isinstance(global_qkv, (tuple, list)) or len(global_qkv) != 3:
+      raise ValueError(f"global_qkv must be a tuple (q_g, k_g, v_g); got {type(global_qkv)}")
+    for name, x in zip(("q_g", "k_g", "v_g"), global_qkv):
+      if x.shape != q.shape:
+        raise ValueError(f"global_qkv {name} has shape {x.shape}; expected {q.shape}")
+  else:
+    global_qkv = None
+  return dilation, attention_mask, global_mask, tuple(global_qkv or ()) or None, num_global

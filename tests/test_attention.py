@@ -1,0 +1,317 @@
+"""The attention op against its dense reference (DESIGN.md §2), for every fast implementation.
+
+`TestChunked` holds the whole suite; another implementation reruns all of it by subclassing with
+a different `IMPL` (see tests/test_attention_pallas.py), so no test is written twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from longformer_jax import ops
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  batch: int
+  seq: int
+  heads: int
+  window: int
+  dilation: int | tuple = 1
+  causal: bool = False
+  padding: bool = False
+  max_globals: int = 0  # up to this many global tokens per row, a different count per row
+  head_dim: int = 8
+
+  def __str__(self):
+    return "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items())
+
+
+def make_inputs(case: Case, seed: int, dtype=jnp.float32):
+  """Random q, k, v (+ global ones), masks with a different padding / global count per row."""
+  rng = np.random.default_rng(seed)
+  shape = (case.batch, case.seq, case.heads, case.head_dim)
+  tensors = [jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(6)]
+  q, k, v, q_g, k_g, v_g = tensors
+  lengths = [case.seq] + [int(rng.integers(1, case.seq + 1)) for _ in range(case.batch - 1)]
+  if not case.padding:
+    lengths = [case.seq] * case.batch
+  attention_mask = np.arange(case.seq)[None, :] < np.array(lengths)[:, None]
+  global_mask = np.zeros((case.batch, case.seq), bool)
+  for b, length in enumerate(lengths):
+    count = min(case.max_globals, length) - (b % 2 if case.max_globals else 0)
+    if count > 0:
+      global_mask[b, rng.choice(length, size=count, replace=False)] = True
+  kwargs = dict(window=case.window, dilation=case.dilation, causal=case.causal,
+                attention_mask=jnp.asarray(attention_mask))
+  if case.max_globals:
+    kwargs.update(global_mask=jnp.asarray(global_mask), global_qkv=(q_g, k_g, v_g))
+  return (q, k, v), kwargs
+
+
+def _grid():
+  """A seeded grid: block (non-)multiples, windows 1..>seq, dilations, causal, padding, globals."""
+  cases = []
+  for seq, window, dilation, causal in itertools.product(
+      (24, 67), (1, 5, 200), (1, 2, (1, 3, 2)), (False, True)):
+    cases.append(Case(batch=2, seq=seq, heads=3, window=window, dilation=dilation, causal=causal,
+                      padding=True, max_globals=0 if causal else 3))
+  cases += [Case(batch=2, seq=1, heads=3, window=3, dilation=(1, 3, 2), max_globals=1),
+            Case(batch=2, seq=1, heads=1, window=1, causal=True)]
+  # Longer than one chunk block (128) with several blocks of reach, and a window exactly a block.
+  cases += [Case(batch=2, seq=300, heads=2, window=128, padding=True, max_globals=2),
+            Case(batch=1, seq=257, heads=2, window=130, causal=True, dilation=(1, 2)),
+            Case(batch=3, seq=50, heads=2, window=4, max_globals=7, padding=True)]
+  return cases
+
+
+GRID = _grid()
+
+
+def expected_keys(case: Case, attention_mask, global_mask, b: int, i: int, head: int):
+  """DESIGN.md §2 written out with Python sets: (local keys, global-projection keys) of query i."""
+  real = {j for j in range(case.seq) if attention_mask[b, j]}
+  if i not in real:
+    return set(), set()
+  if global_mask is not None and global_mask[b, i]:
+    return set(), real
+  d = case.dilation if isinstance(case.dilation, int) else case.dilation[head]
+  steps = range(0, case.window + 1) if case.causal else range(-case.window, case.window + 1)
+  band = {i - d * t for t in steps} if case.causal else {i + d * t for t in steps}
+  globals_ = set() if global_mask is None else {j for j in real if global_mask[b, j]}
+  return (band & real) | globals_, set()
+
+
+class TestChunked:
+  IMPL = "chunked"
+
+  def attention(self, *args, **kwargs):
+    return ops.longformer_attention(*args, impl=self.IMPL, **kwargs)
+
+  # --------------------------------------------------------------------------- parity
+
+  @pytest.mark.parametrize("case", GRID, ids=str)
+  def test_matches_reference_forward_and_gradients(self, case):
+    (q, k, v), kwargs = make_inputs(case, seed=hash(str(case)) % 2**31)
+    global_qkv = kwargs.pop("global_qkv", None)
+    cotangent = jax.random.normal(jax.random.key(1), q.shape)
+
+    def loss(impl, q, k, v, global_qkv):
+      out = ops.longformer_attention(q, k, v, global_qkv=global_qkv, impl=impl, **kwargs)
+      return jnp.sum(out * cotangent), out
+
+    grad_fn = jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
+    grads_ref, out_ref = grad_fn("reference", q, k, v, global_qkv)
+    grads, out = grad_fn(self.IMPL, q, k, v, global_qkv)
+    np.testing.assert_allclose(out, out_ref, atol=1e-5, rtol=1e-5)
+    for g, g_ref in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_ref)):
+      np.testing.assert_allclose(g, g_ref, atol=1e-5, rtol=1e-5)
+    # The grid must exercise what it claims: padding queries are exactly zero.
+    assert not jnp.any(out[~kwargs["attention_mask"]])
+
+  # --------------------------------------------------------------------------- receptive field
+
+  @pytest.mark.parametrize("case", [
+      Case(batch=2, seq=23, heads=2, window=2, dilation=(1, 3), padding=True, max_globals=2),
+      Case(batch=1, seq=19, heads=2, window=3, dilation=(2, 1), causal=True, padding=True),
+  ], ids=str)
+  def test_exact_receptive_field(self, case):
+    (q, k, v), kwargs = make_inputs(case, seed=7)
+    global_qkv = kwargs.pop("global_qkv", None)
+    am = np.asarray(kwargs["attention_mask"])
+    gm = None if global_qkv is None else np.asarray(kwargs["global_mask"])
+    probe = jax.random.normal(jax.random.key(3), (case.head_dim,))
+
+    @jax.jit
+    def grads_of_output(i, k, v, global_qkv):
+      def out_i(k, v, global_qkv):
+        out = ops.longformer_attention(q, k, v, global_qkv=global_qkv, impl=self.IMPL,
+                                       max_global=case.seq, **kwargs)
+        return out[:, i] @ probe  # [batch, heads]
+      return jax.jacrev(out_i, argnums=(0, 1, 2))(k, v, global_qkv)
+
+    for i in range(case.seq):
+      (dk, dv, dglobal) = grads_of_output(i, k, v, global_qkv)
+      for b, head in itertools.product(range(case.batch), range(case.heads)):
+        local, with_global_proj = expected_keys(case, am, gm, b, i, head)
+        # d out[b, i, head] / d x[b', j, head'] -> which j are touched, for this (b, head) only.
+        touched = lambda g: {j for j in range(case.seq) if np.any(np.asarray(g)[b, head, :, j])}
+        # d out / d v_j is p_ij * probe: non-zero exactly on the attended set. d out / d k_j is
+        # p_ij (v_j - out_i) . probe q_i: zero up to rounding when i attends one key (out_i = v_j).
+        assert touched(dv) == local, (b, i, head)
+        assert touched(dk) <= local and (len(local) < 2 or touched(dk) == local), (b, i, head)
+        if dglobal is not None:
+          _, dk_g, dv_g = dglobal
+          assert touched(dv_g) == with_global_proj, (b, i, head)
+          assert touched(dk_g) <= with_global_proj
+          assert len(with_global_proj) < 2 or touched(dk_g) == with_global_proj
+        # Nothing crosses batch rows or heads.
+        other = np.asarray(dv)[b, head].copy()
+        other[b, :, head] = 0
+        assert not np.any(other)
+
+  # --------------------------------------------------------------------------- batch split
+
+  def test_batch_split_invariance(self):
+    case = Case(batch=4, seq=41, heads=2, window=3, dilation=(1, 2), padding=True, max_globals=4)
+    (q, k, v), kwargs = make_inputs(case, seed=11)
+    q_g, k_g, v_g = kwargs.pop("global_qkv")
+    am, gm = kwargs.pop("attention_mask"), kwargs.pop("global_mask")
+    assert len({int(n) for n in gm.sum(1)}) > 1  # different global counts per row
+    whole = self.attention(q, k, v, attention_mask=am, global_mask=gm, global_qkv=(q_g, k_g, v_g),
+                           **kwargs)
+    for b in range(case.batch):
+      row = lambda x: x[b:b + 1]
+      alone = self.attention(row(q), row(k), row(v), attention_mask=row(am), global_mask=row(gm),
+                             global_qkv=(row(q_g), row(k_g), row(v_g)), **kwargs)
+      np.testing.assert_allclose(whole[b:b + 1], alone, atol=1e-6, rtol=1e-6)
+
+  # --------------------------------------------------------------------------- dtypes
+
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+  @pytest.mark.parametrize("causal", [False, True])
+  def test_low_precision_close_to_float32_reference(self, dtype, causal):
+    case = Case(batch=2, seq=70, heads=2, window=9, dilation=(1, 2), causal=causal,
+                padding=True, max_globals=0 if causal else 2, head_dim=16)
+    (q, k, v), kwargs = make_inputs(case, seed=5, dtype=dtype)
+    f32 = lambda t: jax.tree.map(lambda x: x.astype(jnp.float32), t)
+    out = self.attention(q, k, v, **kwargs)
+    assert out.dtype == dtype
+    ref_kwargs = {**kwargs, "global_qkv": f32(kwargs.get("global_qkv"))}
+    ref = ops.longformer_attention(*f32((q, k, v)), impl="reference", **ref_kwargs)
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
+    grads = jax.grad(lambda q, k, v: self.attention(q, k, v, **kwargs).astype(jnp.float32).sum(),
+                     argnums=(0, 1, 2))(q, k, v)
+    assert all(bool(jnp.all(jnp.isfinite(g.astype(jnp.float32)))) for g in grads)
+
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+  def test_fully_masked_rows_are_zero_with_finite_gradients(self, dtype):
+    case = Case(batch=2, seq=20, heads=2, window=3, max_globals=2)
+    (q, k, v), kwargs = make_inputs(case, seed=2, dtype=dtype)
+    kwargs["attention_mask"] = kwargs["attention_mask"].at[1].set(False)  # a row of padding only
+    out, grads = jax.value_and_grad(
+        lambda q, k, v, g: self.attention(q, k, v, global_qkv=g, **{
+            k_: v_ for k_, v_ in kwargs.items() if k_ != "global_qkv"}).astype(jnp.float32).sum(),
+        argnums=(0, 1, 2, 3))(q, k, v, kwargs["global_qkv"])
+    full = self.attention(q, k, v, **kwargs)
+    assert not jnp.any(full[1])
+    for g in jax.tree.leaves(grads):
+      assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
+      assert not jnp.any(g[1])  # padding contributes no gradient
+    assert bool(jnp.isfinite(out))
+
+  # --------------------------------------------------------------------------- transformations
+
+  def test_jit_vmap_and_checkpoint(self):
+    case = Case(batch=2, seq=33, heads=2, window=4, padding=True, max_globals=2)
+    (q, k, v), kwargs = make_inputs(case, seed=3)
+    eager = self.attention(q, k, v, **kwargs)
+    # Under jit the mask is traced, so the static bound on global tokens is passed.
+    kw_traced = {k_: v_ for k_, v_ in kwargs.items() if k_ not in ("window", "dilation", "causal")}
+    static = {k_: kwargs[k_] for k_ in ("window", "dilation", "causal")}
+    run = jax.jit(lambda q, k, v, kw: self.attention(q, k, v, max_global=2, **static, **kw))
+    np.testing.assert_allclose(run(q, k, v, kw_traced), eager, atol=1e-6)
+    # vmap over a leading axis: every mapped slice equals its own eager call.
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x[::-1]]), (q, k, v, kw_traced))
+    mapped = jax.vmap(lambda q, k, v, kw: self.attention(q, k, v, max_global=2, **static, **kw))(
+        *stacked)
+    np.testing.assert_allclose(mapped[0], eager, atol=1e-6)
+    flipped = jax.tree.map(lambda x: x[::-1], kw_traced)
+    np.testing.assert_allclose(
+        mapped[1], self.attention(q[::-1], k[::-1], v[::-1], **static, **flipped), atol=1e-6)
+    # Rematerialised gradients equal plain ones.
+    loss = lambda q: self.attention(q, k, v, **kwargs).sum()
+    np.testing.assert_allclose(jax.grad(jax.checkpoint(loss))(q), jax.grad(loss)(q), atol=1e-6)
+
+  def test_too_few_global_slots_under_jit_poisons_the_row(self):
+    case = Case(batch=2, seq=16, heads=1, window=2, max_globals=3)
+    (q, k, v), kwargs = make_inputs(case, seed=4)
+    am, gm, gqkv = kwargs["attention_mask"], kwargs["global_mask"], kwargs["global_qkv"]
+    out = jax.jit(lambda gm: self.attention(q, k, v, window=2, attention_mask=am, global_mask=gm,
+                                            global_qkv=gqkv, max_global=2))(gm)
+    counts = np.asarray(gm.sum(1))
+    assert counts.tolist() == [3, 2]
+    assert bool(jnp.all(jnp.isnan(out[0]))) and bool(jnp.all(jnp.isfinite(out[1])))
+
+
+# ------------------------------------------------------------------------------- independent of impl
+
+
+def test_chunked_never_materialises_seq_by_seq():
+  """Every intermediate of fwd+bwd at seq 2048 is far smaller than seq^2 elements."""
+  seq = 2048
+  q = jnp.ones((1, seq, 1, 8))
+  gm = jnp.zeros((1, seq), bool).at[0, 0].set(True)
+
+  def loss(q):
+    return ops.longformer_attention(q, q, q, window=4, dilation=1, global_mask=gm,
+                                    global_qkv=(q, q, q), impl="chunked").sum()
+
+  jaxpr = jax.make_jaxpr(jax.grad(loss))(q)
+  sizes = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      sizes.extend(int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
+      for param in eqn.params.values():  # pjit / remat / custom_vjp bodies
+        for sub in param if isinstance(param, (tuple, list)) else (param,):
+          sub = getattr(sub, "jaxpr", sub)
+          if hasattr(sub, "eqns"):
+            walk(sub)
+
+  walk(jaxpr.jaxpr)
+  assert max(sizes) < seq * seq // 16, max(sizes)
+
+
+def test_auto_picks_chunked_on_cpu():
+  q = jnp.ones((1, 8, 1, 4))
+  assert ops.resolve_impl("auto", q, 2) == "chunked"
+
+
+def _inputs(shape=(2, 10, 3, 4)):
+  x = jnp.ones(shape)
+  return x, x, x
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(window=0), ValueError, "window=0"),
+    (dict(window=2.5), TypeError, "window=2.5"),
+    (dict(window=2, dilation=0), ValueError, "dilation"),
+    (dict(window=2, dilation=(1, 2)), ValueError, r"dilation=\(1, 2\) has 2 entries.*\(3\)"),
+    (dict(window=2, causal="yes"), TypeError, "causal"),
+    (dict(window=2, attention_mask=jnp.ones((2, 9))), ValueError, r"attention_mask.*\(2, 9\)"),
+    (dict(window=2, global_mask=jnp.ones((10,))), ValueError, "global_mask"),
+    (dict(window=2, global_mask=jnp.ones((2, 10))), ValueError, "global_qkv=None"),
+    (dict(window=2, causal=True, global_mask=jnp.ones((2, 10)), global_qkv=_inputs()),
+     ValueError, "causal=True with global tokens"),
+    (dict(window=2, global_mask=jnp.ones((2, 10)), global_qkv=_inputs((2, 10, 3, 5))),
+     ValueError, "q_g has shape"),
+    (dict(window=2, impl="fast"), ValueError, "impl='fast'"),
+])
+def test_bad_arguments_are_named(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    ops.longformer_attention(*_inputs(), **kwargs)
+
+
+def test_mismatched_shapes_and_dtypes_are_named():
+  q = jnp.ones((2, 10, 3, 4))
+  with pytest.raises(ValueError, match=r"k has shape \(2, 11, 3, 4\)"):
+    ops.longformer_attention(q, jnp.ones((2, 11, 3, 4)), q, window=1)
+  with pytest.raises(ValueError, match=r"q has shape \(10, 3, 4\)"):
+    ops.longformer_attention(q[0], q[0], q[0], window=1)
+  with pytest.raises(TypeError, match="int32"):
+    ops.longformer_attention(q.astype(jnp.int32), q, q, window=1)
+
+
+def test_traced_global_mask_needs_max_global():
+  q = jnp.ones((1, 6, 1, 4))
+  f = jax.jit(lambda gm: ops.longformer_attention(q, q, q, window=1, global_mask=gm,
+                                                   global_qkv=(q, q, q)))
+  with pytest.raises(ValueError, match="max_global"):
+    f(jnp.ones((1, 6), bool))

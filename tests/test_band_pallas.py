@@ -1,0 +1,261 @@
+"""Pallas band kernels (Triton-style and Mosaic-TPU-style) against the dense band reference.
+
+Everything runs on CPU: the kernels in Pallas interpret mode (forward, and the gradients of q,
+k, v under random cotangents for BOTH out and lse), and lowering for 'cuda' and 'tpu' through an
+abstract mesh (DESIGN.md §3), which proves the kernels become Triton / Mosaic custom calls with
+no silent fallback to XLA. The TPU suite is the Triton suite rerun by a one-line subclass.
+Tolerances are on the error divided by max(1, max |reference|): float32 1e-5, 16-bit 1e-2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from longformer_jax.ops.band_pallas import (BlockSizes, band_attention_pallas, check_supported,
+                                            pallas_supported)
+from longformer_jax.ops.band_reference import EMPTY_LSE, band_attention_reference
+
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
+
+
+def make_inputs(seed, batch, seq, heads, head_dim, dtype, mask_kind):
+  """q, k, v ~ N(0, 1) in `dtype`; key_mask: 'all' real, 'holes' (~25% padding, scattered),
+  or 'holes+empty' (holes, and batch row 0 with every key masked)."""
+  rng = np.random.default_rng(seed)
+  q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
+             for _ in range(3))
+  key_mask = np.ones((batch, seq), bool)
+  if mask_kind != "all":
+    key_mask &= rng.random((batch, seq)) > 0.25
+  if mask_kind == "holes+empty":
+    key_mask[0] = False
+  return q, k, v, jnp.asarray(key_mask)
+
+
+def assert_close(actual, expected, tol, what):
+  actual = np.asarray(jnp.asarray(actual, jnp.float32))
+  expected = np.asarray(jnp.asarray(expected, jnp.float32))
+  assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+  scale = max(1.0, float(np.max(np.abs(expected))))
+  err = float(np.max(np.abs(actual - expected))) / scale
+  assert err <= tol, f"{what}: max error {err:.3g} (relative to scale {scale:.3g}) > {tol}"
+
+
+def assert_lse_close(actual, expected, tol):
+  """Rows with keys: error relative to max(1, max |lse|) over those rows; empty rows: exact."""
+  actual, expected = np.asarray(actual), np.asarray(expected)
+  empty = expected == np.float32(EMPTY_LSE)
+  np.testing.assert_array_equal(actual[empty], expected[empty])
+  if np.any(~empty):
+    assert_close(actual[~empty], expected[~empty], tol, "lse")
+
+
+# (seed, batch, seq, heads, head_dim, window, causal, mask_kind, dtype). Block sizes below make
+# seq 64/128 exact multiples and 77/100/200 not; windows run from 0 to beyond seq.
+TRITON_CASES = [
+    (0, 2, 64, 2, 16, 1, False, "holes+empty", jnp.float32),
+    (1, 2, 100, 2, 32, 7, True, "holes+empty", jnp.float32),
+    (2, 2, 100, 1, 32, 300, False, "holes+empty", jnp.float32),
+    (3, 1, 128, 2, 64, 0, True, "all", jnp.float32),
+    (4, 1, 77, 2, 32, 33, False, "all", jnp.float32),
+    (5, 2, 200, 1, 16, 16, True, "holes", jnp.float32),
+    (6, 2, 100, 2, 32, 7, False, "holes+empty", jnp.bfloat16),
+    (7, 1, 200, 2, 64, 40, True, "holes+empty", jnp.bfloat16),
+    (8, 2, 77, 1, 32, 100, True, "holes+empty", jnp.float16),
+    (9, 2, 50, 2, 8, 5, False, "holes+empty", jnp.float32),  # head_dim 8: zero-padded to 16
+]
+# TPU tiles are >= 128 rows: seq 200/300 are padded, 256/384 exact; 384 with a small window has
+# key blocks outside the band of every query block.
+TPU_CASES = [
+    (10, 2, 200, 2, 64, 7, False, "holes+empty", jnp.float32),
+    (11, 1, 256, 2, 64, 1, True, "holes", jnp.float32),
+    (12, 2, 300, 1, 64, 400, False, "holes+empty", jnp.float32),
+    (13, 1, 384, 1, 128, 20, True, "holes+empty", jnp.float32),
+    (14, 2, 200, 1, 40, 0, False, "all", jnp.float32),  # head_dim 40: zero-padded to 64
+    (15, 2, 300, 1, 64, 130, False, "holes+empty", jnp.bfloat16),
+    (16, 1, 384, 2, 64, 5, True, "holes", jnp.bfloat16),
+]
+
+
+def _case_id(case):
+  seed, b, n, h, d, w, causal, mask, dtype = case
+  return f"n{n}-w{w}-{'causal' if causal else 'bidir'}-{mask}-{jnp.dtype(dtype).name}-s{seed}"
+
+
+class TestTritonBand:
+  BACKEND = "triton"
+  # Unequal, small blocks: several blocks per sequence, band skipping in every kernel.
+  BLOCKS = BlockSizes(block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16,
+                      block_k_dq=32)
+  CASES = TRITON_CASES
+
+  def band(self, q, k, v, key_mask, window, causal):
+    return band_attention_pallas(q, k, v, key_mask, window=window, causal=causal,
+                                 block_sizes=self.BLOCKS, interpret=True, backend=self.BACKEND)
+
+  def test_forward_and_gradients(self, case):
+    seed, batch, seq, heads, head_dim, window, causal, mask_kind, dtype = case
+    q, k, v, key_mask = make_inputs(seed, batch, seq, heads, head_dim, dtype, mask_kind)
+    kernel = lambda q, k, v: self.band(q, k, v, key_mask, window, causal)
+    reference = lambda q, k, v: band_attention_reference(q, k, v, key_mask, window=window,
+                                                         causal=causal)
+    (out, lse), kernel_vjp = jax.vjp(kernel, q, k, v)
+    (out_ref, lse_ref), reference_vjp = jax.vjp(reference, q, k, v)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert lse.dtype == jnp.float32 and lse.shape == (batch, heads, seq)
+    tol = TOLERANCE[dtype]
+    assert_close(out, out_ref, tol, "out")
+    # lse is float32 whatever the input dtype; with 16-bit inputs it inherits their rounding.
+    assert_lse_close(lse, lse_ref, 1e-5 if dtype == jnp.float32 else tol)
+
+    rng = np.random.default_rng(seed + 1000)
+    dout = jnp.asarray(rng.standard_normal(out.shape), dtype)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+    grads = kernel_vjp((dout, dlse))
+    grads_ref = reference_vjp((dout, dlse))
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+      assert g.dtype == dtype
+      assert_close(g, g_ref, tol, name)
+
+    if mask_kind == "holes+empty":  # batch row 0 has no key at all
+      np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0.0)
+      np.testing.assert_array_equal(np.asarray(lse[0]), np.float32(EMPTY_LSE))
+      np.testing.assert_array_equal(np.asarray(grads[0][0], np.float32), 0.0)
+
+  def test_under_jit(self):
+    q, k, v, key_mask = make_inputs(20, 1, 96, 2, 32 if self.BACKEND == "triton" else 64,
+                                    jnp.float32, "holes")
+    loss = lambda fn: (lambda q, k, v: sum(jnp.sum(jnp.sin(x)) for x in fn(q, k, v)))
+    kernel = loss(lambda q, k, v: self.band(q, k, v, key_mask, 9, False))
+    reference = loss(lambda q, k, v: band_attention_reference(q, k, v, key_mask, window=9,
+                                                              causal=False))
+    grads = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)))(q, k, v)
+    grads_ref = jax.grad(reference, argnums=(0, 1, 2))(q, k, v)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+      assert_close(g, g_ref, 1e-5, name)
+
+  def test_skips_blocks_outside_the_band(self):
+    """NaN in queries/keys/values far outside the band must not reach near rows: a kernel that
+    computed those blocks (even fully masked) would spread NaN through 0 * NaN. NaN does spread
+    legitimately within a computed tile and through rows that truly attend poisoned keys, so
+    `near` keeps two tiles plus the window away from `far` (tiles are <= seq / 4 here)."""
+    seq, window = (256, 4) if self.BACKEND == "triton" else (512, 4)
+    near, far = seq // 4, seq * 3 // 4
+    q, k, v, key_mask = make_inputs(21, 1, seq, 1, 64, jnp.float32, "all")
+    poison = lambda x: x.at[:, far:].set(jnp.nan)
+    (out, _), vjp = jax.vjp(lambda q, k, v: self.band(q, k, v, key_mask, window, False),
+                            poison(q), poison(k), poison(v))
+    dout = jnp.ones_like(out)
+    dq, dk, dv = vjp((dout, jnp.ones((1, 1, seq), jnp.float32)))
+    for name, x in (("out", out), ("dq", dq), ("dk", dk), ("dv", dv)):
+      assert np.all(np.isfinite(np.asarray(x[:, :near]))), name
+
+
+def pytest_generate_tests(metafunc):
+  if "case" in metafunc.fixturenames:
+    cases = metafunc.cls.CASES
+    metafunc.parametrize("case", cases, ids=[_case_id(c) for c in cases])
+
+
+class TestTpuBand(TestTritonBand):
+  BACKEND, BLOCKS, CASES = "tpu", BlockSizes(*(128,) * 6), TPU_CASES
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering for hardware that is not here: valid Pallas MLIR inside the right custom call.
+
+LOWERING = {
+    # platform: (device kind, backend, custom-call target, kernel-name suffix)
+    "tpu": ("TPU v5 lite", "tpu", "tpu_custom_call", "_tpu"),
+    "cuda": ("NVIDIA H200", "triton", "__gpu$xla.gpu.triton", ""),
+}
+
+
+def _lower(platform, fn, *args):
+  kind, _, _, _ = LOWERING[platform]
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind=kind, num_cores=1 if platform == "tpu" else None, platform=platform))
+  with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
+    # jax 0.12 warns that the Pallas Triton backend is deprecated (DESIGN.md §3).
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform", sorted(LOWERING))
+@pytest.mark.parametrize("causal", [False, True])
+def test_lowers_to_kernel_custom_calls(platform, causal):
+  kind, backend, target, suffix = LOWERING[platform]
+  shape = (2, 3000, 3, 64)  # padded to 3072: a block multiple, not a power of two
+  qkv = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+  key_mask = jax.ShapeDtypeStruct(shape[:2], jnp.bool_)
+  blocks = BlockSizes.for_device(kind)
+
+  def forward(q, k, v, key_mask):
+    return band_attention_pallas(q, k, v, key_mask, window=256, causal=causal,
+                                 block_sizes=blocks, interpret=False, backend=backend)
+
+  def gradients(q, k, v, key_mask):
+    def loss(q, k, v):
+      out, lse = forward(q, k, v, key_mask)
+      return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  forward_text = _lower(platform, forward, qkv, qkv, qkv, key_mask)
+  assert forward_text.count(f"custom_call @{target}") == 1
+  assert f"band_attention_fwd{suffix}" in forward_text
+  gradient_text = _lower(platform, gradients, qkv, qkv, qkv, key_mask)
+  assert gradient_text.count(f"custom_call @{target}") == 3  # fwd, dq, dk/dv
+  for name in ("fwd", "bwd_dq", "bwd_dkv"):
+    assert re.search(f"band_attention_{name}{suffix}\\b", gradient_text), name
+
+
+# ---------------------------------------------------------------------------------------------
+# Shapes the kernels refuse, and the fallback predicate.
+
+def test_rejects_unsupported_shapes_with_clear_errors():
+  q = jnp.zeros((1, 64, 2, 320), jnp.float32)
+  mask = jnp.ones((1, 64), bool)
+  with pytest.raises(ValueError, match="head_dim=320"):
+    band_attention_pallas(q, q, q, mask, window=4, causal=False, backend="triton")
+  with pytest.raises(ValueError, match="head_dim=320"):
+    band_attention_pallas(q, q, q, mask, window=4, causal=False, backend="tpu")
+  with pytest.raises(ValueError, match="float16"):
+    check_supported((1, 64, 2, 64), jnp.float16, 4, "tpu")
+  with pytest.raises(ValueError, match="window=-1"):
+    check_supported((1, 64, 2, 64), jnp.float32, -1, "triton")
+  with pytest.raises(ValueError, match="block size 100"):
+    check_supported((1, 64, 2, 64), jnp.float32, 4, "triton", BlockSizes(block_q=100))
+  with pytest.raises(ValueError, match="block size 64"):
+    check_supported((1, 64, 2, 64), jnp.float32, 4, "tpu", BlockSizes())
+  with pytest.raises(ValueError, match="key_mask shape"):
+    band_attention_pallas(q, q, q, mask[:, :10], window=4, causal=False)
+
+
+def test_pallas_supported():
+  for platform in ("cuda", "gpu", "tpu", "cpu"):
+    assert pallas_supported((2, 4096, 12, 64), jnp.bfloat16, 256, platform)
+  assert pallas_supported((2, 4096, 12, 8), jnp.float32, 256, "cpu")  # zero-padded to 16
+  assert pallas_supported((2, 4096, 12, 48), jnp.bfloat16, 256, "tpu")  # zero-padded to 64
+  assert not pallas_supported((2, 4096, 12, 512), jnp.bfloat16, 256, "cuda")
+  assert not pallas_supported((2, 4096, 12, 512), jnp.bfloat16, 256, "tpu")
+  assert not pallas_supported((2, 4096, 12, 64), jnp.float16, 256, "tpu")
+  assert not pallas_supported((2, 4096, 12, 64), jnp.float64, 256, "cuda")
+  assert not pallas_supported((2, 4096, 12, 64), jnp.bfloat16, 256, "rocm")
+
+
+def test_block_sizes_for_device():
+  assert BlockSizes.for_device("TPU v5 lite").block_q % 128 == 0
+  assert BlockSizes.for_device("NVIDIA H200") == BlockSizes.for_device("NVIDIA H100 80GB HBM3")
+  for kind in ("TPU v4", "NVIDIA H200", "NVIDIA A100-SXM4-80GB", "cpu"):
+    blocks = BlockSizes.for_device(kind)
+    check_supported((1, 64, 2, 64), jnp.bfloat16, 4, "tpu" if "TPU" in kind else "triton", blocks)
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    BlockSizes().block_q = 8  # pytype: disable=attribute-error

@@ -1,0 +1,95 @@
+"""BPC evaluation: every character scored exactly once; the batched sliding protocol equals a
+brute-force evaluation that runs the model separately for every position."""
+
+import math
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from longformer_jax.causal_lm import CharLMConfig, LongformerForCausalLM, next_byte_nll
+from longformer_jax.evaluation import evaluate_bpc, evaluate_nll, window_plan
+
+MODEL = CharLMConfig(num_layers=2, hidden=32, num_heads=2, mlp_dim=64, windows=(4, 8))
+
+
+def _coverage(num_bytes, plan):
+  counts = np.zeros(num_bytes - 1, int)
+  for w in plan:
+    assert w.start <= w.score_from < w.end <= num_bytes - 1
+    counts[w.score_from:w.end] += 1
+  return counts
+
+
+@pytest.mark.parametrize("protocol", ["sliding", "chunks"])
+@pytest.mark.parametrize("num_bytes, context, stride", [
+    (2, 4, 2), (5, 4, 2), (50, 16, 4), (51, 16, 4), (64, 16, 16), (100, 7, 3), (1000, 64, 1),
+    (32256 * 2 + 777, 32256, 512),   # the paper's protocol on a split that ends mid-stride
+])
+def test_every_character_scored_exactly_once(protocol, num_bytes, context, stride):
+  plan = window_plan(num_bytes, context, stride, protocol)
+  np.testing.assert_array_equal(_coverage(num_bytes, plan), 1)
+  for w in plan:
+    assert w.end - w.start <= context
+    if protocol == "sliding" and w.start > 0:
+      # After the first window, every scored position sees >= context - stride bytes of history.
+      assert w.score_from - w.start >= context - stride
+      assert w.end - w.start == context
+
+
+def _brute_force_nll(model, data, context, stride, protocol):
+  """Per position p (predicting data[p + 1]): run the model on exactly the bytes the protocol
+  gives as history, one forward pass per position, and take that position's logit. The history
+  is right-padded to `context` bytes (one compile); padding after p cannot change the logit at p
+  (causality, tested in test_causal_lm.py)."""
+  positions = len(data) - 1
+  run = jax.jit(lambda x, i: model(x[None])[0, i])
+  total = 0.0
+  for p in range(positions):
+    if protocol == "chunks":
+      start = (p // context) * context
+    elif p < context:
+      start = 0                    # the first window scores all of its positions
+    else:                          # the window ending at the first end >= p + 1
+      end = min(context + math.ceil((p + 1 - context) / stride) * stride, positions)
+      start = end - context
+    history = np.zeros(context, np.int32)
+    history[:p + 1 - start] = data[start:p + 1]
+    logits = run(history, p - start)
+    total += float(next_byte_nll(logits[None], data[p + 1:p + 2].astype(np.int32))[0])
+  return total
+
+
+@pytest.mark.parametrize("protocol", ["sliding", "chunks"])
+def test_batched_protocol_equals_brute_force(protocol):
+  model = LongformerForCausalLM(MODEL, rngs=nnx.Rngs(0))
+  data = np.random.default_rng(0).integers(0, 256, 43).astype(np.uint8)
+  context, stride = 12, 5
+  total, count = evaluate_nll(model, data, context=context, stride=stride, batch_size=3,
+                              protocol=protocol)
+  assert count == len(data) - 1
+  expected = _brute_force_nll(model, data, context, stride, protocol)
+  np.testing.assert_allclose(total, expected, rtol=1e-5)
+
+
+def test_bpc_is_batch_size_invariant_and_in_bits():
+  model = LongformerForCausalLM(MODEL, rngs=nnx.Rngs(0))
+  data = np.random.default_rng(1).integers(0, 256, 200).astype(np.uint8)
+  a = evaluate_bpc(model, data, context=32, stride=8, batch_size=1)
+  b = evaluate_bpc(model, data, context=32, stride=8, batch_size=7)
+  np.testing.assert_allclose(a, b, rtol=1e-6)
+  assert 7.0 < a < 9.0  # an untrained byte model is near log2(256) = 8 bits
+
+
+def test_bad_arguments_name_the_values():
+  model = LongformerForCausalLM(MODEL, rngs=nnx.Rngs(0))
+  data = np.zeros(100, np.uint8)
+  with pytest.raises(ValueError, match="score_last=256 differs from stride=512"):
+    evaluate_bpc(model, data, context=1024, stride=512, score_last=256)
+  with pytest.raises(ValueError, match="protocol must be one of"):
+    evaluate_bpc(model, data, context=16, stride=4, protocol="strided")
+  with pytest.raises(ValueError, match=r"stride must be in \[1, context=16\], got 32"):
+    evaluate_bpc(model, data, context=16, stride=32)
+  with pytest.raises(ValueError, match="at least 2 bytes"):
+    evaluate_bpc(model, data[:1], context=16, stride=4)

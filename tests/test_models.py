@@ -1,0 +1,266 @@
+"""The NNX models on their own: config, input checks, sharding names, padding invisibility, jit,
+remat, mixed precision, attention probabilities, dropout and the default global masks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from hf_testing import BATCH, SEQ, VOCAB, make_inputs
+from longformer_jax import modeling
+from longformer_jax.config import LongformerConfig
+
+# The shapes of the parity tests (tests/hf_testing.py), so that eager ops compiled for one test
+# are reused by the next: windows 2, 4, 3 (one-sided), inputs [3, 23].
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+             intermediate_size=96, max_position_embeddings=40, type_vocab_size=2,
+             attention_window=(2, 4, 3))
+
+
+def small_config(**changes) -> LongformerConfig:
+  return LongformerConfig(**{**SMALL, **changes})
+
+
+def inputs(seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """ids, attention mask, global mask [BATCH, SEQ] (padding and 3/1/0 global tokens)."""
+  x = make_inputs(seed)
+  return tuple(jnp.asarray(x[k]) for k in ("input_ids", "attention_mask",
+                                           "global_attention_mask"))
+
+
+def eval_model(cls=modeling.LongformerModel, seed: int = 0, **changes):
+  model = cls(small_config(**changes), rngs=nnx.Rngs(seed))
+  model.eval()
+  return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Config.
+
+
+def test_presets_match_hf_parameter_counts():
+  """base and large have allenai/longformer-{base,large}-4096's shapes: same parameter count as
+  the HF masked LM built from their config (on torch's meta device: no memory)."""
+  for preset, hf_window in ((LongformerConfig.base(), 512), (LongformerConfig.large(), 512)):
+    assert preset.layer_windows == (256,) * preset.num_hidden_layers
+    assert preset.max_sequence_length == 4096
+    ours = nnx.eval_shape(lambda p=preset: modeling.LongformerForMaskedLM(p, rngs=nnx.Rngs(0)))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(ours, nnx.Param)))
+    hf_config = transformers.LongformerConfig(
+        **{k: getattr(preset, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                            "num_attention_heads", "intermediate_size",
+                                            "max_position_embeddings", "type_vocab_size")},
+        attention_window=hf_window)
+    with torch.device("meta"):
+      hf_model = transformers.LongformerForMaskedLM(hf_config)
+    assert count == sum(p.numel() for p in hf_model.parameters())
+  assert LongformerConfig.large().hidden_size == 1024
+
+
+def test_config_normalises_and_round_trips():
+  config = LongformerConfig(num_hidden_layers=2, attention_window=[4, 8],
+                            attention_dilation=[1, [1, 1, 2, 2] * 3], dtype="bfloat16")
+  assert config.attention_window == (4, 8)
+  assert config.layer_dilations[1] == (1, 1, 2, 2) * 3
+  assert config.dtype == jnp.bfloat16
+  assert LongformerConfig.from_dict(config.to_dict()) == config
+  assert hash(config) == hash(LongformerConfig.from_dict(config.to_dict()))
+  assert config.replace(num_hidden_layers=2, attention_window=3).layer_windows == (3, 3)
+
+
+@pytest.mark.parametrize("changes, error, match", [
+    (dict(hidden_size=30), ValueError, "hidden_size=30 is not a multiple of num_attention_heads"),
+    (dict(attention_window=(2, 3)), ValueError, "attention_window has 2 entries, expected 3"),
+    (dict(attention_window=0), ValueError, r"attention_window of layer 0 must be an int >= 1"),
+    (dict(attention_dilation=(1, (1, 2), 1)), ValueError, "attention_dilation of layer 1 has 2"),
+    (dict(attention_dilation=0), ValueError, "must hold ints >= 1"),
+    (dict(attention_impl="fast"), ValueError, "attention_impl='fast' is not one of"),
+    (dict(hidden_act="gelu_fast"), ValueError, "hidden_act='gelu_fast'"),
+    (dict(dtype="float33"), TypeError, "dtype='float33' is not a dtype"),
+    (dict(num_hidden_layers=0), ValueError, "num_hidden_layers must be a positive int, got 0"),
+])
+def test_config_rejects_bad_values(changes, error, match):
+  with pytest.raises(error, match=match):
+    small_config(**changes)
+  with pytest.raises(ValueError, match="unknown LongformerConfig fields: \\['windows'\\]"):
+    LongformerConfig.from_dict({"windows": 3})
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs.
+
+
+def test_bad_inputs_raise_clear_errors():
+  model = eval_model()
+  ids = inputs()[0][:2, :9]
+  with pytest.raises(TypeError, match="integer token ids; got dtype float32"):
+    model(ids.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"shape \[batch, seq\]; got shape \(9,\)"):
+    model(ids[0])
+  with pytest.raises(ValueError, match="input_ids has 39 tokens; the position table holds at "
+                                       "most 38"):
+    model(jnp.ones((1, 39), jnp.int32))
+  with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 8\); expected the shape "
+                                       r"of input_ids, \(2, 9\)"):
+    model(ids, jnp.ones((2, 8)))
+  with pytest.raises(ValueError, match="global_attention_mask has shape"):
+    model(ids, None, jnp.ones((9,)))
+  with pytest.raises(ValueError, match=r"shape \[batch, choices, seq\]"):
+    eval_model(modeling.LongformerForMultipleChoice)(ids)
+  with pytest.raises(ValueError, match="num_labels must be 2, got 3"):
+    eval_model(modeling.LongformerForQuestionAnswering, num_labels=3)
+
+
+def test_padding_is_invisible():
+  """Padding up to the longest input the position table holds (38 tokens, a multiple of no
+  window) leaves the real tokens' outputs as they were: the op's internal padding never shows."""
+  model = eval_model(modeling.LongformerForMaskedLM)
+  ids, mask, global_mask = inputs()
+  extra = model.config.max_sequence_length - SEQ
+  pad = ((0, 0), (0, extra))
+  short = model(ids, mask, global_mask).logits
+  long = model(jnp.pad(ids, pad, constant_values=1), jnp.pad(mask, pad),
+               jnp.pad(global_mask, pad)).logits
+  assert long.shape == (BATCH, 38, VOCAB)
+  real = np.asarray(mask, bool)
+  np.testing.assert_allclose(long[:, :SEQ][real], short[real], atol=1e-5, rtol=0)
+
+
+def test_default_global_masks():
+  ids = jnp.array([[0, 7, 8, 2, 2, 9, 2, 1], [0, 7, 7, 7, 7, 7, 7, 7]])
+  np.testing.assert_array_equal(modeling.sequence_classification_global_mask(ids)[:, :2],
+                                [[True, False], [True, False]])
+  np.testing.assert_array_equal(modeling.question_answering_global_mask(ids, 2),
+                                [[1, 1, 1, 0, 0, 0, 0, 0], [0] * 8])
+  np.testing.assert_array_equal(modeling.multiple_choice_global_mask(ids, 2),
+                                [[0, 0, 0, 0, 0, 1, 1, 1], [0] * 8])
+
+
+# ---------------------------------------------------------------------------------------------
+# Transformations.
+
+
+def test_jit_needs_and_takes_max_global():
+  model = eval_model(modeling.LongformerForQuestionAnswering, num_labels=2)
+  ids, mask, _ = inputs()  # questions of 3, 5 and 2 tokens after <s>
+  eager = model(ids, mask)
+
+  @nnx.jit(static_argnames="max_global")
+  def run(model, ids, mask, max_global=None):
+    return model(ids, mask, max_global=max_global)
+
+  jitted = run(model, ids, mask, max_global=6)
+  np.testing.assert_allclose(jitted.start_logits, eager.start_logits, atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="pass max_global"):
+    run(model, ids, mask)
+
+
+def test_remat_changes_nothing_but_memory():
+  ids, mask, global_mask = inputs()
+
+  @nnx.jit
+  def loss_and_grads(model):
+    def loss(model):
+      return jnp.mean(model(ids, mask, global_mask, max_global=3).last_hidden_state ** 2)
+    return nnx.value_and_grad(loss)(model)
+
+  two_layers = dict(num_hidden_layers=2, attention_window=(2, 4))  # a shorter compile
+  plain = eval_model(seed=1, **two_layers)
+  remat = eval_model(seed=1, remat=True, **two_layers)
+  (loss_a, grads_a), (loss_b, grads_b) = loss_and_grads(plain), loss_and_grads(remat)
+
+  np.testing.assert_allclose(loss_a, loss_b, atol=1e-6, rtol=0)
+  for a, b in zip(jax.tree.leaves(grads_a), jax.tree.leaves(grads_b)):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+
+
+def test_bfloat16_compute_with_float32_params():
+  ids, mask, global_mask = inputs()
+
+  @nnx.jit
+  def logits_and_grads(model):
+    def total(model):
+      logits = model(ids, mask, global_mask, max_global=3).logits
+      return jnp.sum(logits.astype(jnp.float32)), logits
+    return nnx.grad(total, has_aux=True)(model)
+
+  one_layer = dict(num_hidden_layers=1, attention_window=4)  # a short compile
+  f32 = eval_model(modeling.LongformerForSequenceClassification, seed=2, **one_layer)
+  bf16 = eval_model(modeling.LongformerForSequenceClassification, seed=2, dtype=jnp.bfloat16,
+                    **one_layer)
+  assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(nnx.state(bf16, nnx.Param)))
+  grads, logits = logits_and_grads(bf16)
+  assert logits.dtype == jnp.bfloat16
+  # bf16 keeps ~3 significant digits; logits here are O(1).
+  np.testing.assert_allclose(logits.astype(jnp.float32),
+                             f32(ids, mask, global_mask).logits, atol=5e-2, rtol=0)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+
+def test_attention_probabilities():
+  """Dense per-layer probabilities: rows of real queries sum to 1 over the band and the global
+  keys; padding rows are zero; the hidden states are those of the fast path."""
+  model = eval_model(attention_dilation=((1, 1, 2, 2), 1, 1))
+  ids, mask, global_mask = inputs()  # row 0: 23 tokens, globals 0, 5, 6; row 2: 9 tokens
+  out = model(ids, mask, global_mask, output_attentions=True)
+  fast = model(ids, mask, global_mask)
+  np.testing.assert_allclose(out.last_hidden_state, fast.last_hidden_state, atol=1e-5, rtol=0)
+  assert len(out.attentions) == 3
+  probs = np.asarray(out.attentions[0])  # layer 0: window 2, dilations 1, 1, 2, 2
+  assert probs.shape == (BATCH, 4, SEQ, SEQ)
+  np.testing.assert_allclose(probs[0].sum(-1), 1, atol=1e-6)
+  np.testing.assert_array_equal(probs[2, :, 9:], 0)  # padding queries
+  np.testing.assert_array_equal(probs[2, :, :9, 9:], 0)  # padding keys
+  assert (probs[0, :, 5] > 0).all()  # a global query sees everything
+  assert (probs[0, :, :, 5] > 0).all()  # and everything sees it
+  i, j = np.meshgrid(np.arange(SEQ), np.arange(SEQ), indexing="ij")
+  local = ~np.isin(i, [0, 5, 6]) & ~np.isin(j, [0, 5, 6])
+  assert (probs[0, 0][local & (np.abs(i - j) > 2)] == 0).all()  # outside the band
+  assert (probs[0, 0][local & (np.abs(i - j) <= 2)] > 0).all()
+  assert (probs[0, 2][local & (np.abs(i - j) % 2 == 1)] == 0).all()  # dilation 2: even offsets
+
+
+def test_dropout_only_in_train_mode():
+  model = modeling.LongformerModel(small_config(), rngs=nnx.Rngs(0, dropout=1))
+  ids, mask, global_mask = inputs()
+  first, second = (model(ids, mask, global_mask).last_hidden_state for _ in range(2))
+  assert not np.allclose(first, second)  # fresh dropout masks each call
+  model.eval()
+  first, second = (model(ids, mask, global_mask).last_hidden_state for _ in range(2))
+  np.testing.assert_array_equal(first, second)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding.
+
+
+def test_parameters_carry_logical_axis_names():
+  model = nnx.eval_shape(lambda: modeling.LongformerForMaskedLM(small_config(),
+                                                                rngs=nnx.Rngs(0)))
+  specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+  layer = specs["longformer"]["layers"][0]
+  assert layer["attention"]["query"]["kernel"].get_value() == P("embed", "heads", "kv")
+  assert layer["attention"]["output"]["kernel"].get_value() == P("heads", "kv", "embed")
+  assert layer["intermediate"]["kernel"].get_value() == P("embed", "mlp")
+  assert layer["output"]["kernel"].get_value() == P("mlp", "embed")
+  embeddings = specs["longformer"]["embeddings"]
+  assert embeddings["word_embeddings"]["embedding"].get_value() == P("vocab", "embed")
+  assert specs["lm_head"]["bias"].get_value() == P("vocab",)
+
+
+def test_parameters_are_sharded_by_rules_given_from_outside():
+  mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
+  rules = (("vocab", "model"), ("mlp", "model"), ("heads", "model"), ("embed", None),
+           ("kv", None))
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    model = modeling.LongformerForMaskedLM(small_config(), rngs=nnx.Rngs(0))
+  kernel = model.longformer.layers[0].attention.query.kernel[...]
+  assert kernel.sharding.spec == P(None, "model", None)
+  word = model.longformer.embeddings.word_embeddings.embedding[...]
+  assert word.sharding.spec == P("model", None)

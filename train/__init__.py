@@ -1,0 +1,1 @@
+"""Training entry points (`python -m train.charlm --config train/configs/char_tiny.py`)."""

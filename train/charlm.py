@@ -1,0 +1,131 @@
+"""Train the character-level Longformer LM, then score the test split.
+
+    python -m train.charlm --config train/configs/char_tiny.py
+    python -m train.charlm --config train/configs/char_small.py --workdir gs://... \\
+        --set dataset=text8 --set stages.0.batch_size=64
+
+Any config field can be overridden with `--set path=value` (dots walk into dataclasses, tuples
+and dicts; values are Python literals, else strings). Rerunning the same command resumes from the
+latest checkpoint in the workdir. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
+checkpoints/ and results.json (the final test BPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def load_config(path: str):
+  """`get_config()` of a config file, imported by path."""
+  spec = importlib.util.spec_from_file_location(f"charlm_config_{Path(path).stem}", path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"cannot import a config from {path!r}")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _parse_value(text: str) -> Any:
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def override(obj: Any, path: str, value: Any) -> Any:
+  """A copy of `obj` with the field at dotted `path` set to `value`."""
+  head, _, rest = path.partition(".")
+  if dataclasses.is_dataclass(obj):
+    names = {f.name for f in dataclasses.fields(obj)}
+    if head not in names:
+      raise ValueError(f"unknown field {head!r} in {type(obj).__name__}; fields: {sorted(names)}")
+    new = override(getattr(obj, head), rest, value) if rest else value
+    return dataclasses.replace(obj, **{head: new})
+  if isinstance(obj, tuple):
+    if not head.lstrip("-").isdigit() or not -len(obj) <= int(head) < len(obj):
+      raise ValueError(f"index {head!r} is not in a tuple of length {len(obj)}")
+    i = int(head) % len(obj)
+    new = override(obj[i], rest, value) if rest else value
+    return obj[:i] + (new,) + obj[i + 1:]
+  if isinstance(obj, dict):
+    new = override(obj[head], rest, value) if rest else value
+    return {**obj, head: new}
+  raise ValueError(f"cannot set {path!r} inside a {type(obj).__name__}")
+
+
+def apply_overrides(cfg, assignments: list[str]):
+  for item in assignments:
+    path, eq, text = item.partition("=")
+    if not eq:
+      raise ValueError(f"--set expects path=value, got {item!r}")
+    value = _parse_value(text)
+    if isinstance(value, list):
+      value = tuple(value)
+    cfg = override(cfg, path.strip(), value)
+  return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--config", required=True, help="a train/configs/*.py file")
+  parser.add_argument("--workdir", default=None, help="default: runs/<config name>")
+  parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                      help="override a config field, e.g. --set stages.0.steps=100")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+  parser.add_argument("--skip-final-eval", action="store_true")
+  args = parser.parse_args(argv)
+
+  # Import JAX only now: --help works anywhere, and a pod slice initialises before any device use.
+  import jax  # pylint: disable=g-import-not-at-top
+  from longformer_jax import training  # pylint: disable=g-import-not-at-top
+  training.maybe_initialize_distributed()
+
+  cfg = apply_overrides(load_config(args.config), args.set)
+  workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
+  is_main = jax.process_index() == 0
+  if is_main:
+    print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
+    print(f"workdir: {workdir}")
+  start = time.perf_counter()
+  summary = training.train(cfg, workdir, progress=not args.no_progress)
+  train_minutes = (time.perf_counter() - start) / 60
+  if summary["status"] != "done":
+    return 0  # preempted: the checkpoint is saved; rerun the same command to resume
+  results = {"config": args.config, "overrides": args.set, "steps": summary["step"],
+             "final_train_loss": summary["last_loss"], "valid_bpc": summary["valid_bpc"],
+             "train_minutes_this_run": round(train_minutes, 2)}
+  if cfg.final_eval is not None and not args.skip_final_eval:
+    from longformer_jax.data import load_split  # pylint: disable=g-import-not-at-top
+    from longformer_jax.evaluation import evaluate_bpc  # pylint: disable=g-import-not-at-top
+    eval_args = dict(cfg.final_eval)
+    split = eval_args.pop("split", "test")
+    model = training.load_params(workdir, cfg)
+    data = load_split(cfg.dataset, split, cfg.data_dir)
+    start = time.perf_counter()
+    bpc = evaluate_bpc(model, data, windows=cfg.stage_windows(len(cfg.stages) - 1),
+                       progress=not args.no_progress, **eval_args)
+    results.update({f"{split}_bpc": bpc, "eval": {"split": split, **eval_args},
+                    "eval_minutes": round((time.perf_counter() - start) / 60, 2)})
+    if is_main:
+      print(f"{cfg.dataset} {split} BPC ({eval_args.get('protocol', 'sliding')}, context "
+            f"{eval_args.get('context')}, stride {eval_args.get('stride')}): {bpc:.4f}")
+  if is_main:
+    tmp = workdir / ".results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, workdir / "results.json")
+    print(json.dumps(results, indent=2))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
