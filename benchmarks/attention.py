@@ -315,8 +315,44 @@ def main(argv=None):
   tmp = path.with_suffix(".json.tmp")
   tmp.write_text(json.dumps(records, indent=1))
   os.replace(tmp, path)  # atomic: never a half-written result file
-  print(f"\nwrote {path}\n")
+  png = plot(records, path.with_suffix(".png"))
+  print(f"\nwrote {path} and {png}\n")
   print(markdown_table(records))
+
+
+def plot(records, path: pathlib.Path) -> pathlib.Path:
+  """fwd+bwd time and peak memory per token against seq, one line per (impl, mode)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.5))
+  series = {}
+  for r in records:
+    if r["batch"] == records[0]["batch"]:
+      label = f"{r['impl']} {r['mode']}" + (" dil+global" if r["globals"] else "")
+      series.setdefault(label, []).append(r)
+  for label, rows in sorted(series.items()):
+    rows.sort(key=lambda r: r["seq"])
+    seqs = [r["seq"] for r in rows]
+    style = "--" if "causal" in label else "-"
+    ax_t.plot(seqs, [r["ms_fwdbwd"] for r in rows], style, marker="o", label=label)
+    if all(r["peak_bytes"] for r in rows):
+      ax_m.plot(seqs, [r["peak_bytes"] / 2**10 / (r["seq"] * r["batch"]) for r in rows], style,
+                marker="o", label=label)
+  ax_t.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="fwd+bwd ms",
+           title=f"{records[0]['device']} {records[0]['dtype']} batch {records[0]['batch']}")
+  ax_m.set(xscale="log", yscale="log", xlabel="sequence length", ylabel="peak KB per token",
+           title="peak memory per token (flat = linear)")
+  for ax in (ax_t, ax_m):
+    ax.grid(True, which="both", alpha=0.3)
+  ax_t.legend(fontsize=7)
+  fig.tight_layout()
+  tmp = path.with_suffix(".tmp.png")
+  fig.savefig(tmp, dpi=110)
+  plt.close(fig)
+  os.replace(tmp, path)
+  return path
 
 
 def markdown_table(records) -> str:

@@ -17,7 +17,6 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,15 +35,17 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--max-bytes", type=int, default=None, help="score only a prefix")
   parser.add_argument("--output", default=None, help="JSON path")
   parser.add_argument("--no-progress", action="store_true")
+  parser.add_argument("--distributed", default="auto", choices=("auto", "on", "off"))
   args = parser.parse_args(argv)
 
   import jax  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
   from longformer_jax import training  # pylint: disable=g-import-not-at-top
   from longformer_jax.data import load_split  # pylint: disable=g-import-not-at-top
   from longformer_jax.evaluation import evaluate_bpc  # pylint: disable=g-import-not-at-top
-  training.maybe_initialize_distributed()
+  training.maybe_initialize_distributed(args.distributed)
 
-  workdir = Path(args.workdir)
+  workdir = epath.Path(args.workdir)
   cfg, windows = training.read_run_config(workdir)
   dataset = args.dataset or cfg.dataset
   model = training.load_params(workdir, cfg, step=args.step)
@@ -64,10 +65,11 @@ def main(argv: list[str] | None = None) -> int:
   if jax.process_index() == 0:
     print(f"{dataset} {args.split}: {bpc:.4f} bpc ({args.protocol}, context {args.context}, "
           f"stride {args.stride})")
-    out = Path(args.output or workdir / f"bpc_{dataset}_{args.split}_{args.protocol}.json")
-    tmp = out.with_name(f".{out.name}.tmp")
+    out = epath.Path(args.output or workdir / f"bpc_{dataset}_{args.split}_{args.protocol}.json")
+    tmp = out.parent / f".{out.name}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out)
+    tmp.replace(out)
+    print(f"wrote {out}")
   return 0
 
 

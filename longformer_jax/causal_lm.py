@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from longformer_jax import ops
+
 _ATTENTIONS = ("band", "full")
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -224,7 +226,6 @@ class CausalSelfAttention(nnx.Module):
     if self.attention == "full":
       o_BxLxHxD = jax.nn.dot_product_attention(q_BxLxHxD, k_BxLxHxD, v_BxLxHxD, is_causal=True)
     else:
-      from longformer_jax import ops  # pylint: disable=g-import-not-at-top
       dilation = self.dilation if len(set(self.dilation)) > 1 else self.dilation[0]
       o_BxLxHxD = ops.longformer_attention(
           q_BxLxHxD, k_BxLxHxD, v_BxLxHxD, window=window, dilation=dilation, causal=True,
@@ -269,8 +270,9 @@ class LongformerForCausalLM(nnx.Module):
         cfg.vocab_size, cfg.hidden, dtype=dtype, param_dtype=jnp.float32,
         embedding_init=nnx.with_partitioning(nnx.initializers.normal(0.02), ("vocab", "embed")),
         rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]) \
-        if hasattr(nnx, "List") else [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+    blocks = [Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+    # Flax 0.12 wants sub-modules in an nnx.List; older NNX took plain lists.
+    self.blocks = nnx.List(blocks) if hasattr(nnx, "List") else blocks
     self.ln_final = _layer_norm(cfg.hidden, rngs)
     self.dropout = nnx.Dropout(cfg.dropout)
     if not cfg.tie_embeddings:

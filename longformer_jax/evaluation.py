@@ -19,6 +19,7 @@ BPC = (sum of per-prediction cross-entropies in nats) / (N - 1) / ln 2.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Iterator, Sequence
 
@@ -80,6 +81,20 @@ def _batches(data: np.ndarray, windows: Sequence[Window], length: int, batch_siz
     yield inputs, targets, weights
 
 
+@functools.lru_cache(maxsize=16)
+def _nll_sums_fn(graphdef, windows):
+  """One jitted scorer per model structure and windows: evaluating every N training steps
+  reuses the compiled function instead of tracing a new one."""
+
+  @jax.jit
+  def nll_sums(state, inputs_BxL, targets_BxL, weights_BxL):
+    logits_BxLxV = nnx.merge(graphdef, state)(inputs_BxL, windows=windows)
+    nll_BxL = next_byte_nll(logits_BxLxV, targets_BxL)
+    return jnp.sum(nll_BxL * weights_BxL), jnp.sum(weights_BxL)
+
+  return nll_sums
+
+
 def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, stride: int = 512,
                  score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
                  windows: Sequence[int] | None = None, mesh: jax.sharding.Mesh | None = None,
@@ -107,12 +122,7 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   else:
     sharding = None
 
-  @jax.jit
-  def nll_sums(state, inputs_BxL, targets_BxL, weights_BxL):
-    logits_BxLxV = nnx.merge(graphdef, state)(inputs_BxL, windows=windows)
-    nll_BxL = next_byte_nll(logits_BxLxV, targets_BxL)
-    return jnp.sum(nll_BxL * weights_BxL), jnp.sum(weights_BxL)
-
+  nll_sums = _nll_sums_fn(graphdef, windows)
   def put(x):
     if sharding is None:
       return x

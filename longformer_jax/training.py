@@ -22,6 +22,7 @@ dropout keys (`fold_in(seed, step)`), so a resumed run computes bit-identical lo
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import logging
 import math
@@ -30,6 +31,8 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from etils import epath
 from typing import Any
 
 import jax
@@ -230,9 +233,13 @@ def param_shardings(abstract_params, mesh: Mesh, rules) -> Any:
                       nnx.get_partition_spec(abstract_params))
 
 
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+  """The whole run's schedule: each stage's, joined at the stage boundaries."""
+  return optax.join_schedules([s.schedule() for s in cfg.stages], cfg.stage_starts()[1:])
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  boundaries = cfg.stage_starts()[1:]
-  schedule = optax.join_schedules([s.schedule() for s in cfg.stages], boundaries)
+  schedule = learning_rate_schedule(cfg)
   # Weight decay on matrices and embeddings only: decaying LayerNorm gains and biases toward 0
   # only hurts.
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
@@ -319,7 +326,8 @@ class Trainer:
       grads = jax.tree.map(lambda g: g / accum, grads)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "grad_norm": _global_norm(grads)}
+    metrics = {"loss": loss, "grad_norm": _global_norm(grads),
+               "learning_rate": learning_rate_schedule(self.cfg)(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
   def train_step(self, stage_index: int) -> Callable:
@@ -345,10 +353,12 @@ class Trainer:
 # Metrics.
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-  tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+def _atomic_write(path, write: Callable[[Any], None]) -> None:
+  """Write to a temporary sibling, then rename over `path` (readers never see half a file)."""
+  path = epath.Path(path)
+  tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
   write(tmp)
-  os.replace(tmp, path)
+  tmp.replace(path)
 
 
 class MetricsLog:
@@ -412,7 +422,9 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  _atomic_write(png_path, lambda p: fig.savefig(p, format="png", dpi=120))
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png", dpi=120)
+  _atomic_write(png_path, lambda p: p.write_bytes(buffer.getvalue()))
   plt.close(fig)
 
 
@@ -420,12 +432,19 @@ def plot_curves(metrics_path: Path, png_path: Path) -> None:
 # Checkpoints.
 
 
-def checkpoint_manager(directory: Path, cfg: TrainConfig):
+def checkpoint_manager(directory, cfg: TrainConfig):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   options = ocp.CheckpointManagerOptions(
       max_to_keep=cfg.keep_checkpoints, create=True,
       enable_async_checkpointing=cfg.async_checkpoints)
-  return ocp.CheckpointManager(directory.absolute(), options=options)
+  directory = epath.Path(directory)
+  if not _is_remote(directory):
+    directory = directory.absolute()  # Orbax wants absolute paths
+  return ocp.CheckpointManager(directory, options=options)
+
+
+def _is_remote(path) -> bool:
+  return "://" in str(path)
 
 
 def save_checkpoint(manager, state: TrainState, meta: dict) -> None:
@@ -447,7 +466,7 @@ def restore_checkpoint(manager, abstract_state: TrainState, step: int | None = N
 def load_params(directory: str | os.PathLike, cfg: TrainConfig, step: int | None = None,
                 mesh: Mesh | None = None) -> LongformerForCausalLM:
   """The model of a checkpoint (default: the latest) under `<workdir>/checkpoints`."""
-  directory = Path(directory)
+  directory = epath.Path(directory)
   if (directory / "checkpoints").is_dir():
     directory = directory / "checkpoints"
   trainer = Trainer(cfg, mesh)
@@ -467,7 +486,7 @@ def _tuples(x):
   return x
 
 
-def write_run_config(workdir: Path, cfg: TrainConfig) -> None:
+def write_run_config(workdir, cfg: TrainConfig) -> None:
   """<workdir>/run_config.json: what eval/bpc.py needs to rebuild the model of a checkpoint."""
   record = dataclasses.asdict(cfg)
   record["final_windows"] = list(cfg.stage_windows(len(cfg.stages) - 1))
@@ -478,7 +497,7 @@ def write_run_config(workdir: Path, cfg: TrainConfig) -> None:
 
 def read_run_config(workdir: str | os.PathLike) -> tuple[TrainConfig, tuple[int, ...]]:
   """(TrainConfig, final-stage windows) from <workdir>/run_config.json."""
-  path = Path(workdir) / "run_config.json"
+  path = epath.Path(workdir) / "run_config.json"
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {workdir} a train/charlm.py workdir?")
   record = json.loads(path.read_text())
@@ -494,11 +513,18 @@ def read_run_config(workdir: str | os.PathLike) -> tuple[TrainConfig, tuple[int,
 # The loop.
 
 
-def maybe_initialize_distributed() -> None:
-  """`jax.distributed.initialize()` on a multi-host TPU slice (every host runs the same
-  command), or when a coordinator is named in the environment; a no-op elsewhere."""
-  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-  if "," in hosts or os.environ.get("JAX_COORDINATOR_ADDRESS"):
+def maybe_initialize_distributed(mode: str = "auto") -> None:
+  """`jax.distributed.initialize()` before any device use: "on" (every host of a multi-host TPU
+  slice runs the same command; JAX finds its peers from the TPU metadata), "off", or "auto":
+  on when the environment names a cluster (several TPU workers, a coordinator address, or a
+  multi-task SLURM job)."""
+  if mode not in ("auto", "on", "off"):
+    raise ValueError(f"distributed mode must be 'auto', 'on' or 'off', got {mode!r}")
+  if mode == "auto":
+    mode = "on" if ("," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+                    or os.environ.get("JAX_COORDINATOR_ADDRESS")
+                    or int(os.environ.get("SLURM_NTASKS", "1")) > 1) else "off"
+  if mode == "on":
     jax.distributed.initialize()
 
 
@@ -533,18 +559,23 @@ def _load_data(cfg: TrainConfig, split: str) -> np.ndarray:
 
 def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
           train_data: np.ndarray | None = None, valid_data: np.ndarray | None = None,
-          mesh: Mesh | None = None, progress: bool = True,
+          mesh: Mesh | None = None, progress: bool = True, logdir: str | os.PathLike | None = None,
           step_hook: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the staged schedule of `cfg` in `workdir`; returns a summary dict.
 
   train_data / valid_data: byte arrays (default: `cfg.dataset`'s train and validation splits).
   step_hook(step, metrics): called on every host after each step (tests use it to record losses
     or to raise SIGTERM).
+  logdir: local directory for metrics.jsonl, tensorboard/ and curves.png (default: the workdir
+    when it is local, else runs/<workdir name>: JSONL appends need a local file system).
   Returns {"status": "done" | "preempted", "step", "last_loss", "valid_bpc", ...}.
   """
   from longformer_jax.data import BatchSampler  # pylint: disable=g-import-not-at-top
 
-  workdir = Path(workdir)
+  workdir = epath.Path(workdir)
+  if logdir is None:
+    logdir = Path("runs") / workdir.name if _is_remote(workdir) else Path(workdir)
+  logdir = Path(logdir)
   is_main = jax.process_index() == 0
   trainer = Trainer(cfg, mesh)
   train_data = _load_data(cfg, "train") if train_data is None else np.asarray(train_data)
@@ -562,7 +593,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
       print(f"resumed from step {step} (stage {meta['stage']}) in {workdir / 'checkpoints'}")
   else:
     state, step, sampler_state = trainer.init_state(), 0, None
-  metrics_log = MetricsLog(workdir, step, enabled=is_main)
+  metrics_log = MetricsLog(logdir, step, enabled=is_main)
   if is_main:
     write_run_config(workdir, cfg)
   summary = {"status": "done", "step": step, "last_loss": None, "valid_bpc": None}
@@ -603,11 +634,12 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
           state, metrics = train_step(
               state, trainer.global_batch(inputs, stage.batch_size),
               trainer.global_batch(targets, stage.batch_size))
-          loss = float(metrics["loss"])
-          if not math.isfinite(loss):
+          loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+          # A finite loss with non-finite gradients would save NaN parameters: stop on either.
+          if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             manager.wait_until_finished()
             raise NonFiniteLossError(
-                f"loss is {loss} at step {step + 1} (stage {stage_index}, seq_len "
+                f"loss is {loss} (gradient norm {grad_norm}) at step {step + 1} (stage {stage_index}, seq_len "
                 f"{stage.seq_len}); stopped without saving. The last good checkpoint is step "
                 f"{manager.latest_step()} in {workdir / 'checkpoints'}: lower the learning rate "
                 f"or raise warm-up and resume from it.")
@@ -616,12 +648,12 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
           tokens_per_s = tokens_per_step / max(now - tick, 1e-9)
           tick = now
           host = {"loss": loss, "bpc": loss / math.log(2),
-                  "grad_norm": float(metrics["grad_norm"]), "tokens_per_s": tokens_per_s}
+                  "grad_norm": grad_norm, "tokens_per_s": tokens_per_s}
           summary["last_loss"] = loss
           if step % cfg.log_every == 0 or step == cfg.total_steps:
             metrics_log.write(step, train_loss=loss, train_bpc=host["bpc"],
                               grad_norm=host["grad_norm"], tokens_per_s=tokens_per_s,
-                              learning_rate=float(trainer_lr(cfg, step - 1)), stage=stage_index)
+                              learning_rate=float(metrics["learning_rate"]), stage=stage_index)
           if pbar is not None:
             pbar.update(1)
             pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}", bpc=f"{host['bpc']:.3f}",
@@ -652,13 +684,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
     manager.close()
     metrics_log.close()
     if is_main and metrics_log.path.exists():
-      plot_curves(metrics_log.path, workdir / "curves.png")
-
-
-def trainer_lr(cfg: TrainConfig, step: int) -> float:
-  """The learning rate the optimizer uses at (0-based) optimizer step `step`."""
-  schedule = optax.join_schedules([s.schedule() for s in cfg.stages], cfg.stage_starts()[1:])
-  return float(schedule(step))
+      plot_curves(metrics_log.path, logdir / "curves.png")
 
 
 def _preempted_elsewhere(manager, step: int) -> bool:

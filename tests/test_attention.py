@@ -90,14 +90,15 @@ def expected_keys(case: Case, attention_mask, global_mask, b: int, i: int, head:
 
 class TestChunked:
   IMPL = "chunked"
+  GRID = GRID  # the parity grid; tests/conftest.py parametrizes `grid_case` over it
 
   def attention(self, *args, **kwargs):
     return ops.longformer_attention(*args, impl=self.IMPL, **kwargs)
 
   # --------------------------------------------------------------------------- parity
 
-  @pytest.mark.parametrize("case", GRID, ids=str)
-  def test_matches_reference_forward_and_gradients(self, case):
+  def test_matches_reference_forward_and_gradients(self, grid_case):
+    case = grid_case
     (q, k, v), kwargs = make_inputs(case, seed=hash(str(case)) % 2**31)
     global_qkv = kwargs.pop("global_qkv", None)
     cotangent = jax.random.normal(jax.random.key(1), q.shape)

@@ -3,7 +3,8 @@
 Everything runs on CPU: the kernels in Pallas interpret mode (forward, and the gradients of q,
 k, v under random cotangents for BOTH out and lse), and lowering for 'cuda' and 'tpu' through an
 abstract mesh (DESIGN.md §3), which proves the kernels become Triton / Mosaic custom calls with
-no silent fallback to XLA. The TPU suite is the Triton suite rerun by a one-line subclass.
+no silent fallback to XLA; and the captured Triton IR compiled to sm_90 cubins with the `triton`
+package (no GPU needed). The TPU suite is the Triton suite rerun by a one-line subclass.
 Tolerances are on the error divided by max(1, max |reference|): float32 1e-5, 16-bit 1e-2.
 """
 
@@ -231,6 +232,9 @@ def test_rejects_unsupported_shapes_with_clear_errors():
     check_supported((1, 64, 2, 64), jnp.float16, 4, "tpu")
   with pytest.raises(ValueError, match="window=-1"):
     check_supported((1, 64, 2, 64), jnp.float32, -1, "triton")
+  with pytest.raises(ValueError, match="window=2.0"):
+    check_supported((1, 64, 2, 64), jnp.float32, 2.0, "triton")
+  check_supported((1, 64, 2, 64), jnp.float32, np.int64(2), "triton")  # numpy ints are fine
   with pytest.raises(ValueError, match="block size 100"):
     check_supported((1, 64, 2, 64), jnp.float32, 4, "triton", BlockSizes(block_q=100))
   with pytest.raises(ValueError, match="block size 64"):
@@ -259,3 +263,55 @@ def test_block_sizes_for_device():
     check_supported((1, 64, 2, 64), jnp.bfloat16, 4, "tpu" if "TPU" in kind else "triton", blocks)
   with pytest.raises(dataclasses.FrozenInstanceError):
     BlockSizes().block_q = 8  # pytype: disable=attribute-error
+
+
+# ---------------------------------------------------------------------------------------------
+# Beyond lowering: compile the Triton kernels to an sm_90 cubin with the `triton` package (its
+# bundled ptxas), which needs no GPU. This uses a private jax hook to capture the Triton module.
+
+@pytest.mark.parametrize("dtype, causal, head_dim", [(jnp.bfloat16, False, 64),
+                                                     (jnp.float32, True, 64),
+                                                     (jnp.bfloat16, True, 256)])
+def test_triton_kernels_compile_for_sm90(dtype, causal, head_dim, monkeypatch, tmp_path):
+  triton = pytest.importorskip("triton")
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  from jax._src.pallas.triton import pallas_call_registration  # pylint: disable=g-import-not-at-top
+  lowering = pallas_call_registration.lowering
+  modules = []
+  original = lowering.lower_jaxpr_to_triton_module
+
+  def capture(*args, **kwargs):
+    result = original(*args, **kwargs)
+    modules.append(result.module.operation.get_asm(enable_debug_info=False))
+    return result
+
+  monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+  blocks = BlockSizes.for_device("NVIDIA H200").fit_gpu_shared_memory(head_dim, dtype)
+  qkv = jax.ShapeDtypeStruct((1, 3000, 2, head_dim), dtype)
+
+  def gradients(q, k, v, key_mask):
+    def loss(q, k, v):
+      out, lse = band_attention_pallas(q, k, v, key_mask, window=256, causal=causal,
+                                       block_sizes=blocks, interpret=False, backend="triton")
+      return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+    return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+  _lower("cuda", gradients, qkv, qkv, qkv, jax.ShapeDtypeStruct((1, 3000), jnp.bool_))
+  assert len(modules) == 3
+  for text in modules:
+    name = re.search(r"tt.func public @(\w+)", text).group(1)
+    path = tmp_path / f"{name}.ttir"
+    path.write_text(text)
+    kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=blocks.num_warps, num_stages=blocks.num_stages))
+    assert kernel.asm["cubin"], name
+    assert kernel.metadata.shared <= 227 * 1024, (name, kernel.metadata.shared)
+
+
+def test_fit_gpu_shared_memory():
+  h200 = BlockSizes.for_device("NVIDIA H200")
+  assert h200.fit_gpu_shared_memory(64, jnp.bfloat16) == h200  # the common case is untouched
+  fitted = h200.fit_gpu_shared_memory(256, jnp.float32)
+  assert fitted.num_stages == 2 and max(fitted.all_sizes()) < max(h200.all_sizes())
+  assert min(h200.fit_gpu_shared_memory(256, jnp.float32, limit_bytes=1).all_sizes()) == 16

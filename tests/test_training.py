@@ -120,6 +120,7 @@ _MULTI_DEVICE = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
     from longformer_jax.causal_lm import CharLMConfig
+    from longformer_jax.evaluation import evaluate_bpc
     from longformer_jax.training import Stage, TrainConfig, Trainer, make_mesh
     assert jax.device_count() == 4, jax.devices()
     cfg = TrainConfig(model=CharLMConfig(num_layers=2, hidden=32, num_heads=2, mlp_dim=64,
@@ -141,6 +142,10 @@ _MULTI_DEVICE = textwrap.dedent("""
       emb = state.params["embed"]["embedding"]
       out[str(shape)] = {"losses": losses, "emb_shards": len(emb.addressable_shards),
                          "emb_shard_shape": list(emb.addressable_shards[0].data.shape)}
+      # Evaluation with the batch sharded over the same mesh (5 windows: padded to 8 rows).
+      out[str(shape)]["bpc"] = evaluate_bpc(trainer.model(state.params), tokens.ravel()[:80],
+                                            context=16, stride=16, batch_size=3,
+                                            mesh=trainer.mesh)
     print(json.dumps(out))
 """)
 
@@ -155,6 +160,7 @@ def test_four_simulated_devices_match_one_device():
   ref = out["(1, 1)"]["losses"]
   for shape, result in out.items():
     np.testing.assert_allclose(result["losses"], ref, rtol=2e-6, err_msg=shape)
+    np.testing.assert_allclose(result["bpc"], out["(1, 1)"]["bpc"], rtol=2e-6, err_msg=shape)
   # fsdp really shards the embedding's `embed` dimension (32 / 4 = 8 columns per device).
   assert out["(1, 4)"]["emb_shard_shape"] == [256, 8]
   assert out["(2, 2)"]["emb_shard_shape"] == [256, 16]

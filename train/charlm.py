@@ -83,15 +83,19 @@ def main(argv: list[str] | None = None) -> int:
                       help="override a config field, e.g. --set stages.0.steps=100")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   parser.add_argument("--skip-final-eval", action="store_true")
+  parser.add_argument("--distributed", default="auto", choices=("auto", "on", "off"),
+                      help="jax.distributed.initialize(): 'on' for every host of a multi-host "
+                           "TPU slice; 'auto' does it when the environment names a cluster")
   args = parser.parse_args(argv)
 
   # Import JAX only now: --help works anywhere, and a pod slice initialises before any device use.
   import jax  # pylint: disable=g-import-not-at-top
+  from etils import epath  # pylint: disable=g-import-not-at-top
   from longformer_jax import training  # pylint: disable=g-import-not-at-top
-  training.maybe_initialize_distributed()
+  training.maybe_initialize_distributed(args.distributed)
 
   cfg = apply_overrides(load_config(args.config), args.set)
-  workdir = Path(args.workdir or Path("runs") / Path(args.config).stem)
+  workdir = epath.Path(args.workdir or Path("runs") / Path(args.config).stem)
   is_main = jax.process_index() == 0
   if is_main:
     print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
@@ -120,9 +124,9 @@ def main(argv: list[str] | None = None) -> int:
       print(f"{cfg.dataset} {split} BPC ({eval_args.get('protocol', 'sliding')}, context "
             f"{eval_args.get('context')}, stride {eval_args.get('stride')}): {bpc:.4f}")
   if is_main:
-    tmp = workdir / ".results.json.tmp"
+    tmp = workdir / f".results.json.tmp{os.getpid()}"
     tmp.write_text(json.dumps(results, indent=2) + "\n")
-    os.replace(tmp, workdir / "results.json")
+    tmp.replace(workdir / "results.json")
     print(json.dumps(results, indent=2))
   return 0
 

@@ -18,13 +18,16 @@ Two kernel families share the wrapper here (padding, block bounds, custom_vjp):
 * backend="tpu" (`band_pallas_tpu.py`): Mosaic TPU kernels with the band walked by a grid axis
   whose index maps clamp to the band, VMEM scratch accumulators, [B, H, N, D] layout.
 
-Why Triton and not Mosaic GPU for the GPU kernel: the Pallas Triton backend lowers and runs on
-the target (jax 0.11.2 on the H200) and its kernels run in interpret mode on CPU, so every line
-of the GPU kernel is tested here, forward and backward, against the dense reference. Mosaic GPU
+Why Triton and not Mosaic GPU for the GPU kernel: the Pallas Triton backend lowers for the
+target (jax 0.11.2 and 0.12, checked from CPU) and its kernels run in interpret mode on CPU, so
+every line of the GPU kernel is tested here, forward and backward, against the dense reference. Mosaic GPU
 (the named successor; jax 0.12 warns that the Triton backend is deprecated) needs warpgroup-level
 code with explicit TMA/barrier pipelining, and its interpret mode with a grid fails in jax 0.12
 (DESIGN.md §3), so a Mosaic GPU kernel could be neither run nor tested on a machine without a GPU.
 The Triton choice is to be revisited by measurement on the H200 (`benchmarks/pallas_gpu_check.py`).
+Checked without a GPU: the Triton kernels run in interpret mode against the reference, lower for
+'cuda', and their Triton IR compiles to sm_90 cubins within the H200's shared memory
+(tests/test_band_pallas.py); nothing here has been run or timed on a GPU yet.
 
 Numerics: scores and softmax in float32; matmul inputs in the input dtype with float32
 accumulation (float32 inputs use IEEE float32 matmuls on GPU, not TF32, so that float32 results
@@ -37,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -57,6 +61,11 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 GPU_HEAD_DIMS = (16, 32, 64, 128, 256)
 TPU_HEAD_DIMS = (64, 128, 256)
 MAX_HEAD_DIM = 256
+# Shared memory one Triton program may use on sm_80/sm_90 (A100: 163 KB, H100/H200: 227 KB);
+# the H100/H200 figure is the default, `fit_gpu_shared_memory` takes another.
+GPU_SHARED_MEMORY_BYTES = 227 * 1024
+_SHARED_MEMORY_MARGIN = 12 * 1024
+_BLOCK_FIELDS = ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq")
 BACKENDS = ("triton", "tpu")
 
 
@@ -97,6 +106,36 @@ class BlockSizes:
       return cls(block_q=64, block_k=64, num_warps=4, num_stages=2)
     return cls()
 
+  def fit_gpu_shared_memory(self, head_dim: int, dtype,
+                            limit_bytes: int = GPU_SHARED_MEMORY_BYTES) -> "BlockSizes":
+    """Shrinks stages, then blocks, until every Triton kernel's shared memory fits `limit_bytes`.
+
+    Triton keeps `num_stages` copies of the streamed tiles (two per step: k and v, or q and
+    dout) plus the resident tiles in shared memory; the estimate below matches what Triton 3.8
+    allocates for these kernels on sm_90 to within ~9 KB (checked by compiling the lowered
+    kernels), hence the margin. Without this, head_dim 256 in bf16 needs ~260 KB and fails to
+    launch on an H100/H200 (227 KB per block).
+    """
+    item = jnp.dtype(dtype).itemsize
+    blocks = self
+
+    def estimate(b):
+      tile = lambda rows: rows * head_dim * item
+      return max(b.num_stages * 2 * tile(b.block_k) + tile(b.block_q),           # forward
+                 b.num_stages * 2 * tile(b.block_q_dkv) + 2 * tile(b.block_k_dkv),  # dK/dV
+                 b.num_stages * 2 * tile(b.block_k_dq) + 2 * tile(b.block_q_dq))    # dQ
+
+    while estimate(blocks) + _SHARED_MEMORY_MARGIN > limit_bytes:
+      if blocks.num_stages > 2:
+        blocks = dataclasses.replace(blocks, num_stages=blocks.num_stages - 1)
+        continue
+      sizes = {f: getattr(blocks, f) for f in _BLOCK_FIELDS}
+      name = max(sizes, key=sizes.get)
+      if sizes[name] <= 16:
+        break  # nothing left to shrink; the launch will report the shortfall
+      blocks = dataclasses.replace(blocks, **{name: sizes[name] // 2})
+    return blocks
+
   def all_sizes(self) -> tuple[int, ...]:
     return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv,
             self.block_q_dq, self.block_k_dq)
@@ -127,7 +166,7 @@ def check_supported(q_shape, dtype, window, backend: str,
                      f"(1..{MAX_HEAD_DIM}; native {native_head_dims(backend)}, others padded)")
   if backend == "tpu" and dtype == jnp.float16:
     raise ValueError("dtype=float16 not supported by the TPU band kernel (use bfloat16)")
-  if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+  if not isinstance(window, numbers.Integral) or isinstance(window, bool) or window < 0:
     raise ValueError(f"window={window!r} must be a non-negative int (one-sided)")
   if block_sizes is not None:
     minimum = 128 if backend == "tpu" else 16
@@ -498,6 +537,10 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool,
     else:
       kind = jax.devices()[0].device_kind
     block_sizes = BlockSizes.for_device(kind)
+    if backend == "triton" and not interpret:
+      limit = (163 if "a100" in kind.lower() else 227) * 1024
+      block_sizes = block_sizes.fit_gpu_shared_memory(kernel_head_dim(head_dim, backend), q.dtype,
+                                                      limit)
   check_supported(q.shape, q.dtype, window, backend, block_sizes)
 
   if backend == "tpu":
@@ -506,7 +549,7 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool,
   multiple = max(block_sizes.all_sizes())  # powers of two: the max is a common multiple
   padded = -(-seq // multiple) * multiple
   # The band never reaches further than the padded length, and a clamp keeps int32 bounds safe.
-  window_eff = min(window, padded)
+  window_eff = min(int(window), padded)
   cfg = _Config(window=window_eff, causal=bool(causal), scale=1.0 / math.sqrt(head_dim),
                 blocks=block_sizes, backend=backend, interpret=interpret)
 

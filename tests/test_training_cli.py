@@ -1,0 +1,42 @@
+"""train/charlm.py: config files load, --set overrides reach any field and reject bad ones."""
+
+from pathlib import Path
+
+import pytest
+
+from longformer_jax.training import TrainConfig
+from train.charlm import apply_overrides, load_config
+
+CONFIGS = Path(__file__).parents[1] / "train" / "configs"
+
+
+@pytest.mark.parametrize("name", ["char_tiny", "char_small", "char_large"])
+def test_configs_load_and_document_their_command(name):
+  path = CONFIGS / f"{name}.py"
+  cfg = load_config(str(path))
+  assert isinstance(cfg, TrainConfig)
+  assert f"python -m train.charlm --config train/configs/{name}.py" in path.read_text()
+  if name != "char_tiny":  # the paper's 5 stages: lengths double (capped at 23,040), lr halves
+    assert [s.seq_len for s in cfg.stages] == [2048, 4096, 8192, 16384, 23040]
+    assert [s.learning_rate for s in cfg.stages] == [2.5e-4 / 2**i for i in range(5)]
+    assert [cfg.stage_windows(i)[0] for i in range(5)] == [32, 64, 128, 256, 512]
+
+
+def test_overrides_walk_dataclasses_tuples_and_dicts():
+  cfg = load_config(str(CONFIGS / "char_small.py"))
+  cfg = apply_overrides(cfg, ["stages.0.steps=3000", "stages.-1.batch_size=32", "model.dropout=0.2",
+                              "dataset=text8", "final_eval.context=4096", "mesh_shape=[2, 4]"])
+  assert cfg.stages[0].steps == 3000 and cfg.stages[4].batch_size == 32
+  assert cfg.model.dropout == 0.2 and cfg.dataset == "text8"
+  assert cfg.final_eval["context"] == 4096 and cfg.mesh_shape == (2, 4)
+
+
+@pytest.mark.parametrize("assignment, match", [
+    ("model.hiden=3", "unknown field 'hiden'"),
+    ("stages.9.steps=1", "index '9' is not in a tuple of length 5"),
+    ("model.dropout", "expects path=value"),
+    ("model.num_heads=7", "not divisible by num_heads=7"),
+])
+def test_bad_overrides_name_the_problem(assignment, match):
+  with pytest.raises(ValueError, match=match):
+    apply_overrides(load_config(str(CONFIGS / "char_small.py")), [assignment])
