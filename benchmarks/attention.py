@@ -199,7 +199,7 @@ def torch_peers(shape: Shape, dtype_name: str, reps: int):
                        **time_torch(lambda q, k, v: flex(q, k, v, block_mask=mask), make)))
     except Exception as e:  # Report, don't hide: the row says why it is missing.
       print(f"  torch flex_attention failed: {type(e).__name__}: {e}")
-  if not shape.causal:
+  if not shape.causal and shape.dilation in (1, (1,) * h):  # HF has no dilation
     try:
       from transformers import LongformerConfig
       from transformers.models.longformer.modeling_longformer import LongformerSelfAttention

@@ -91,7 +91,7 @@ class _ByteStream(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         )
 
     def _stream(self, dl_manager) -> bytes:
-        raise NotImplementedError
+        raise NotImplementedError("each concrete builder returns its corpus bytes")
 
     def _split_generators(self, dl_manager):
         data = np.frombuffer(self._stream(dl_manager), dtype=np.uint8)
