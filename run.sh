@@ -6,8 +6,8 @@
 #   ./run.sh test    install the test extras (torch for the HF parity tests) and run the tests
 #   ./run.sh bench   the attention benchmark (benchmarks/attention.py), extra args passed on
 #
-# The interpreter: $PYTHON if set, else the first python >= 3.12 (3.12 preferred) found on PATH, in pyenv or
-# in the usual install prefixes (current JAX needs 3.12+; python 3.11 stops at jax 0.10).
+# The interpreter: $PYTHON if set, else the first python >= 3.12 (3.12 preferred) found on
+# PATH, in pyenv or in the usual install prefixes (current JAX needs 3.12+; python 3.11 stops at jax 0.10).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -49,7 +49,8 @@ ensure_venv() {  # ensure_venv EXTRAS
     "$VENV/bin/python" -m pip install -q --upgrade pip
   fi
   # Reinstall when pyproject.toml changes.
-  local want; want=$(sha256sum pyproject.toml | cut -c1-16)
+  local want; want=$("$VENV/bin/python" -c \
+    'import hashlib; print(hashlib.sha256(open("pyproject.toml", "rb").read()).hexdigest()[:16])')
   if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
     echo "[run.sh] installing longformer-jax[$extras] into $VENV ($("$VENV/bin/python" -V 2>&1))"
     "$VENV/bin/python" -m pip install -q -e ".[$extras]"

@@ -126,11 +126,14 @@ def test_presets_follow_the_paper_layout():
   small, large = causal_lm.char_small(), causal_lm.char_large()
   assert (small.num_layers, small.hidden, small.num_heads) == (12, 512, 8)
   assert (large.num_layers, large.hidden, large.num_heads) == (30, 512, 8)
+  assert (small.dropout, large.dropout) == (0.2, 0.4)  # paper Appendix B, Table 12
   for cfg in (small, large):
     assert cfg.windows[0] == 32 and cfg.windows[-1] == 512
     assert list(cfg.windows) == sorted(cfg.windows)
-    assert cfg.layer_dilation(0) == (1,) * 8            # no dilation in the lower layers
-    assert cfg.layer_dilation(cfg.num_layers - 1) == (1,) * 6 + (2, 2)  # 2 heads above
+    half = cfg.num_layers // 2
+    assert cfg.layer_dilation(half - 1) == (1,) * 8     # no dilation in the lower half
+    assert cfg.layer_dilation(half) == (1,) * 6 + (2, 2)  # then growing, on 2 heads only
+    assert cfg.layer_dilation(cfg.num_layers - 1) == (1,) * 6 + (4, 4)
   tiny = causal_lm.char_tiny()
   assert causal_lm.num_params(_model(tiny)) < 3_000_000
 

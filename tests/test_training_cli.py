@@ -20,14 +20,24 @@ def test_configs_load_and_document_their_command(name):
     assert [s.seq_len for s in cfg.stages] == [2048, 4096, 8192, 16384, 23040]
     assert [s.learning_rate for s in cfg.stages] == [2.5e-4 / 2**i for i in range(5)]
     assert [cfg.stage_windows(i)[0] for i in range(5)] == [32, 64, 128, 256, 512]
+    # Paper Appendix B, Table 12: batch sizes, steps per phase, warm-up 10% capped at 10K.
+    steps = {"char_small": [430_000, 50_000, 50_000, 35_000, 5_000],
+             "char_large": [350_000, 25_000, 10_000, 5_000, 5_000]}[name]
+    assert [s.batch_size for s in cfg.stages] == [32, 32, 16, 16, 16]
+    assert [s.steps for s in cfg.stages] == steps
+    assert [s.warmup_steps for s in cfg.stages] == [min(n // 10, 10_000) for n in steps]
+    assert cfg.clip_norm == 0.25 and cfg.weight_decay == 0.01
 
 
 def test_overrides_walk_dataclasses_tuples_and_dicts():
   cfg = load_config(str(CONFIGS / "char_small.py"))
-  cfg = apply_overrides(cfg, ["stages.0.steps=3000", "stages.-1.batch_size=32", "model.dropout=0.2",
-                              "dataset=text8", "final_eval.context=4096", "mesh_shape=[2, 4]"])
-  assert cfg.stages[0].steps == 3000 and cfg.stages[4].batch_size == 32
-  assert cfg.model.dropout == 0.2 and cfg.dataset == "text8"
+  # Shortening a stage below its warm-up (10K steps in phase 1) needs the warm-up set too.
+  cfg = apply_overrides(cfg, ["stages.0.warmup_steps=300", "stages.0.steps=3000",
+                              "stages.-1.batch_size=32", "model.dropout=0.3", "dataset=text8",
+                              "final_eval.context=4096", "mesh_shape=[2, 4]"])
+  assert cfg.stages[0].steps == 3000 and cfg.stages[0].warmup_steps == 300
+  assert cfg.stages[4].batch_size == 32
+  assert cfg.model.dropout == 0.3 and cfg.dataset == "text8"
   assert cfg.final_eval["context"] == 4096 and cfg.mesh_shape == (2, 4)
 
 
