@@ -23,6 +23,7 @@ see `corpora.fetch` for the checks.
 
 from __future__ import annotations
 
+import abc
 import os
 from pathlib import Path
 
@@ -90,8 +91,9 @@ class _ByteStream(tfds.core.GeneratorBasedBuilder, skip_registration=True):
             disable_shuffling=True,  # records are written in key (= offset) order
         )
 
+    @abc.abstractmethod
     def _stream(self, dl_manager) -> bytes:
-        raise NotImplementedError("each concrete builder returns its corpus bytes")
+        """The whole corpus, in order (each concrete builder says where it comes from)."""
 
     def _split_generators(self, dl_manager):
         data = np.frombuffer(self._stream(dl_manager), dtype=np.uint8)
