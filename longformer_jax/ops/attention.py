@@ -108,14 +108,12 @@ def _band_all_heads(band_kernel, q, k, v, key_mask, *, window, dilations, causal
 
 def _global_slots(global_mask, num_global: int):
   """Positions of each row's global tokens, [batch, num_global], and which slots are real."""
-  seq = global_mask.shape[1]
   # Stable sort puts a row's global positions first, in order; the rest are filler slots.
   idx_BxG = jnp.argsort(~global_mask, axis=1, stable=True)[:, :num_global]
   valid_BxG = jnp.take_along_axis(global_mask, idx_BxG, axis=1)
   # Rows with more globals than slots (only possible under jit with a too-small max_global)
   # are poisoned with NaN below rather than silently losing global tokens.
   overflow_B = jnp.sum(global_mask, axis=1) > num_global
-  del seq
   return idx_BxG, valid_BxG, overflow_B
 
 
