@@ -4,10 +4,10 @@
   python benchmarks/attention.py --peers              # + pallas, cuDNN, torch flex / HF (if importable)
   python benchmarks/attention.py --seqs 1024 4096 --reps 3 --out benchmarks/results
 
-Shapes follow DESIGN.md §4: 12 heads, head_dim 64, one-sided window 256. Each implementation's
+Shapes follow docs/design.md §6: 12 heads, head_dim 64, one-sided window 256. Each implementation's
 output is checked against the chunked path before it is timed. Times are medians of `--reps`
 runs after a warm-up; only ratios between rows of the SAME run are meaningful (shared machines
-drift). TFLOP/s are counted on the attended pairs P (DESIGN.md §2), never on computed tiles.
+drift). TFLOP/s are counted on the attended pairs P (docs/design.md §2.5), never on computed tiles.
 Peak memory is XLA's compiled footprint (arguments + outputs + temporaries) for JAX rows, and
 the allocator's peak for torch rows on GPU.
 
@@ -31,7 +31,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from longformer_jax import ops  # noqa: E402
@@ -53,7 +52,7 @@ class Shape:
     return "causal" if self.causal else "bidir"
 
   def attended_pairs(self) -> int:
-    """P per head and batch row (DESIGN.md §2), ignoring dilation's edge effects."""
+    """P per head and batch row (docs/design.md §2.5), ignoring dilation's edge effects."""
     n, w = self.seq, min(self.window, self.seq - 1)
     if self.causal:
       return n * (w + 1) - w * (w + 1) // 2
@@ -109,7 +108,7 @@ def xla_dense(shape: Shape):
 
 
 def cudnn_causal(shape: Shape):
-  """cuDNN's sliding window: causal only (DESIGN.md §3), GPU only."""
+  """cuDNN's sliding window: causal only (docs/design.md §5.2), GPU only."""
   if (not shape.causal or jax.default_backend() != "gpu" or shape.globals_
       or shape.dilation not in (1, (1,) * shape.heads)):
     return None
@@ -272,7 +271,7 @@ def main(argv=None):
   for shape in shapes:
     print(f"{shape.mode} seq={shape.seq} batch={shape.batch} dilation={shape.dilation} "
           f"globals={shape.globals_}", flush=True)
-    base, chunked_out = None, None
+    chunked_out = None
     for name, make in impls:
       if name in ("reference", "xla_dense_local_window") and not dense_fits(shape, budget):
         continue

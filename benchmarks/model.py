@@ -1,7 +1,7 @@
 """Whole-model training step: our LongformerForMaskedLM against HF transformers' PyTorch one.
 
   python benchmarks/model.py                              # base, seq 4096, batch 8 (the GPU target)
-  python benchmarks/model.py --seq 16384 --batch 2        # the other DESIGN.md §4 anchor
+  python benchmarks/model.py --seq 16384 --batch 2        # the other docs/design.md §6 anchor
   python benchmarks/model.py --impl pallas --reps 20 --out benchmarks/results
   PYTHONPATH=. python benchmarks/model.py --small --out /tmp/modelbench   # tiny, CPU, < 1 min
 
@@ -244,7 +244,7 @@ def main(argv=None):
   args.batch = args.batch or (2 if args.small else 8)
   args.reps = args.reps or (2 if args.small else 10)
   backend = jax.default_backend()
-  # bf16 on CPU is emulated and slow in both frameworks: float32 there (as DESIGN.md §4 on CPU).
+  # bf16 on CPU is emulated and slow in both frameworks: float32 there (docs/design.md §6).
   args.bf16 = args.bf16 and backend != "cpu"
   dtype_name = "bfloat16" if args.bf16 else "float32"
 

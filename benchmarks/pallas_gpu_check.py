@@ -14,8 +14,8 @@ What it does, in order (each step prints as it goes and lands in the JSON):
 2. timings (median of 10 after warm-up, milliseconds): forward and forward+backward of the
    Pallas kernel (bidir and causal) at seq 4096 / 16384 / 65536, batch 1, 12 heads, head_dim 64,
    window 256 each side, bf16; and `jax.nn.dot_product_attention(implementation='cudnn')` with a
-   causal left window of 256 (the cuDNN peer of DESIGN.md §4); TFLOP/s counted on the attended
-   pairs P (DESIGN.md §2), peak device memory where the backend reports it;
+   causal left window of 256 (the cuDNN peer of docs/design.md §6); TFLOP/s counted on the attended
+   pairs P (docs/design.md §2.5), peak device memory where the backend reports it;
 3. a small block-size sweep of the bidirectional fwd+bwd at seq 16384 (for BlockSizes defaults).
 
 CPU smoke path (no GPU): `python benchmarks/pallas_gpu_check.py --interpret --small` runs the same
@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
 import pathlib
 import statistics

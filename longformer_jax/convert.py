@@ -2,7 +2,8 @@
 
   from_hf(source)               HF Longformer (model object or local directory) -> our NNX model
   to_hf(model)                  our NNX model -> HF PyTorch model of the same class
-  roberta_to_longformer(source) HF RoBERTa -> our Longformer, by the paper's recipe (DESIGN.md §5)
+  roberta_to_longformer(source) HF RoBERTa -> our Longformer, by the paper's recipe
+                                (docs/design.md §5.3)
 
 No network access: a directory must hold `config.json` and `model.safetensors` (or its sharded
 index) or `pytorch_model.bin`. Reading safetensors needs only the `safetensors` package; torch is
@@ -356,7 +357,7 @@ def to_hf(model: nnx.Module):
 
 def roberta_to_longformer(source, max_positions: int = 4096, window: int = 256, *,
                           rngs: nnx.Rngs | None = None, **config_changes) -> nnx.Module:
-  """A Longformer made from an HF RoBERTa by the paper's recipe (DESIGN.md §5).
+  """A Longformer made from an HF RoBERTa by the paper's recipe (docs/design.md §5.3).
 
   The learned positions are copied repeatedly into a table for `max_positions` tokens, and every
   layer's global projections start as copies of its local ones. The task head maps by name

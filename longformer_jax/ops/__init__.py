@@ -6,6 +6,14 @@ Each fast path sits beside its plainly-correct reference:
   band_reference.py  dense reference of the band-kernel contract
   band_chunked.py    blocked-einsum band kernel
   band_pallas*.py    Pallas band kernels (GPU / TPU; interpret mode on CPU)
+
+The shape alphabet, declared here once and followed by every tensor name in the package
+(`q_BxNxHxD`, `scores_BxHxNxW`; docs/design.md §4):
+
+  B  batch               N  sequence (tokens)      H  heads              D  head_dim
+  E  hidden (embedding)  F  MLP inner width        V  vocabulary         G  global tokens per row
+  W  window slots        Q  query-tile rows        K  key-tile rows      (Pallas / chunked tiles)
+  C  choices (multiple choice)                     L  labels (classes)   M  microbatches
 """
 
 from longformer_jax.ops.attention import IMPLS, longformer_attention, resolve_impl

@@ -1,6 +1,6 @@
 """`longformer_attention`: the public op, one signature for every implementation.
 
-The composition (DESIGN.md §2-3), shared by every band kernel:
+The composition (docs/design.md §2.1-2.2), shared by every band kernel:
   1. dilation: a head with dilation d attends an undilated band on the d interleaved
      subsequences i mod d (paper §3.1), so heads are grouped by dilation and each group runs the
      band kernel on [batch * d, seq / d] - no kernel knows about dilation;
@@ -148,7 +148,7 @@ def _with_globals(band_out, band_lse, q, k, v, global_qkv, attention_mask, globa
 def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = False,
                          attention_mask=None, global_mask=None, global_qkv=None,
                          impl: str = "auto", max_global: int | None = None) -> jax.Array:
-  """Longformer self-attention (DESIGN.md §2): sliding window + dilation + symmetric global.
+  """Longformer self-attention (docs/design.md §1): sliding window + dilation + symmetric global.
 
   Args:
     q, k, v: [batch, seq, heads, head_dim], any float dtype (softmax runs in float32).

@@ -1,9 +1,9 @@
-"""Band attention as blocked `jnp` einsums: the portable fast path (DESIGN.md §1).
+"""Band attention as blocked `jnp` einsums: the portable fast path (docs/design.md §2.3).
 
 The sequence is cut into query blocks of `block` positions. With `reach = ceil(window / block)`,
 every key of a query block lies in its own key block or in the `reach` blocks on either side
 (only the left ones when causal), so each block attends a fixed slab of `(2*reach + 1) * block`
-keys. Scores are [batch, heads, blocks, block, slab]: linear in seq, never seq x seq. Positions in
+keys. Scores are [batch * blocks, heads, block, slab]: linear in seq, never seq x seq. Positions in
 the slab outside the exact band are masked with one static [block, slab] pattern shared by every
 block. Splitting the window into blocks of at most `MAX_BLOCK` keeps the wasted slab small
 (window 256 -> block 128, slab 640 for 513 band keys) while the matmuls stay large enough to be
@@ -63,15 +63,18 @@ def band_attention_chunked(q, k, v, key_mask, *, window: int, causal: bool,
     views = [x_blocks[:, reach + s: reach + s + num_blocks] for s in shifts]
     return jnp.concatenate(views, axis=2)
 
+  # Tiles: a query block is a query tile (Q = block rows), its slab a key tile (K = slab rows);
+  # batch and blocks are merged into the leading axis of every *_tiles array.
   q_blocks = jnp.pad(q, [(0, 0), (0, num_blocks * block - seq), (0, 0), (0, 0)])
-  q_BKxCxHxD = q_blocks.reshape(batch * num_blocks, block, heads, head_dim)
-  k_BKxSxHxD = slab_of(blocks_of(k, 0)).reshape(batch * num_blocks, -1, heads, head_dim)
-  v_BKxSxHxD = slab_of(blocks_of(v, 0)).reshape(batch * num_blocks, -1, heads, head_dim)
-  key_ok_BKxS = slab_of(blocks_of(key_mask.astype(bool), False)).reshape(batch * num_blocks, -1)
+  q_tiles = q_blocks.reshape(batch * num_blocks, block, heads, head_dim)  # [B * blocks, Q, H, D]
+  k_tiles = slab_of(blocks_of(k, 0)).reshape(batch * num_blocks, -1, heads, head_dim)  # .., K, ..
+  v_tiles = slab_of(blocks_of(v, 0)).reshape(batch * num_blocks, -1, heads, head_dim)
+  key_ok_tiles = slab_of(blocks_of(key_mask.astype(bool), False)).reshape(
+      batch * num_blocks, -1)  # [B * blocks, K]
 
-  band_CxS = jnp.asarray(_slab_band_mask(block, shifts, window, causal))
-  mask_BKx1xCxS = band_CxS[None, None] & key_ok_BKxS[:, None, None, :]
-  out, lse, _ = masked_softmax_attention(q_BKxCxHxD, k_BKxSxHxD, v_BKxSxHxD, mask_BKx1xCxS)
+  band_QxK = jnp.asarray(_slab_band_mask(block, shifts, window, causal))
+  mask_tiles = band_QxK[None, None] & key_ok_tiles[:, None, None, :]  # [B * blocks, 1, Q, K]
+  out, lse, _ = masked_softmax_attention(q_tiles, k_tiles, v_tiles, mask_tiles)
 
   out = out.reshape(batch, num_blocks * block, heads, head_dim)[:, :seq]
   lse_BxHxN = (lse.reshape(batch, num_blocks, heads, block).transpose(0, 2, 1, 3)

@@ -20,10 +20,11 @@ Two kernel families share the wrapper here (padding, block bounds, custom_vjp):
 
 Why Triton and not Mosaic GPU for the GPU kernel: the Pallas Triton backend lowers for the
 target (jax 0.11.2 and 0.12, checked from CPU) and its kernels run in interpret mode on CPU, so
-every line of the GPU kernel is tested here, forward and backward, against the dense reference. Mosaic GPU
-(the named successor; jax 0.12 warns that the Triton backend is deprecated) needs warpgroup-level
-code with explicit TMA/barrier pipelining, and its interpret mode with a grid fails in jax 0.12
-(DESIGN.md §3), so a Mosaic GPU kernel could be neither run nor tested on a machine without a GPU.
+every line of the GPU kernel is tested here, forward and backward, against the dense reference.
+Mosaic GPU (the named successor; jax 0.12 warns that the Triton backend is deprecated) needs
+warpgroup-level code with explicit TMA/barrier pipelining, and its interpret mode with a grid
+fails in jax 0.12 (docs/design.md §5.1), so a Mosaic GPU kernel could be neither run nor tested
+on a machine without a GPU.
 The Triton choice is to be revisited by measurement on the H200 (`benchmarks/pallas_gpu_check.py`).
 Checked without a GPU: the Triton kernels run in interpret mode against the reference, lower for
 'cuda', and their Triton IR compiles to sm_90 cubins within the H200's shared memory

@@ -1,9 +1,10 @@
 """Dense reference for the *band kernel* interface shared by every band implementation.
 
-A band kernel is the inner piece of Longformer attention (DESIGN.md §2): undilated sliding-window
-attention with a key-keep vector, returning the softmax's log-sum-exp so that callers can merge it
-with other key sets (the global keys) and overwrite rows (the global queries). Dilation, global
-attention and query padding are composed around it in `longformer_jax.ops.attention`.
+A band kernel is the inner piece of Longformer attention (docs/design.md §2.1): undilated
+sliding-window attention with a key-keep vector, returning the softmax's log-sum-exp so that
+callers can merge it with other key sets (the global keys) and overwrite rows (the global
+queries). Dilation, global attention and query padding are composed around it in
+`longformer_jax.ops.attention`.
 
 Contract, for q, k, v of shape [batch, seq, heads, head_dim] and key_mask [batch, seq] (bool):
   query i attends key j iff key_mask[b, j] and
@@ -36,35 +37,35 @@ def band_mask(seq: int, window: int, causal: bool) -> jax.Array:
   return jnp.abs(i - j) <= window
 
 
-def masked_softmax_attention(q, k, v, mask_BxHxNxM):
-  """Dense attention of q [B,N,H,D] over k, v [B,M,H,D] restricted to a boolean mask.
+def masked_softmax_attention(q, k, v, mask_BxHxNxK):
+  """Dense attention of q [B,N,H,D] over k, v [B,K,H,D] (K key rows) restricted to a boolean mask.
 
-  The mask broadcasts against [B, H, N, M] (pass H = 1 to share it across heads).
-  Returns (out [B,N,H,D] in q.dtype, lse [B,H,N] float32, probs [B,H,N,M] float32). Rows with no
+  The mask broadcasts against [B, H, N, K] (pass H = 1 to share it across heads).
+  Returns (out [B,N,H,D] in q.dtype, lse [B,H,N] float32, probs [B,H,N,K] float32). Rows with no
   allowed key give out = 0, lse = EMPTY_LSE, probs = 0, with finite gradients.
   """
   scale = 1.0 / jnp.sqrt(jnp.float32(q.shape[-1]))
-  # Scaling q rather than the scores touches N*D instead of N*M elements.
-  scores_BxHxNxM = jnp.einsum(
-      "bnhd,bmhd->bhnm", q.astype(jnp.float32) * scale, k.astype(jnp.float32))
+  # Scaling q rather than the scores touches N*D instead of N*K elements.
+  scores_BxHxNxK = jnp.einsum(
+      "bnhd,bkhd->bhnk", q.astype(jnp.float32) * scale, k.astype(jnp.float32))
   # A finite bias rather than -inf: masked entries underflow to exactly 0 after exp, nothing
   # ever computes inf - inf, and the bias is built once per head group, not per head.
-  scores_BxHxNxM = scores_BxHxNxM + jnp.where(mask_BxHxNxM, 0.0, _MASKED_SCORE)
+  scores_BxHxNxK = scores_BxHxNxK + jnp.where(mask_BxHxNxK, 0.0, _MASKED_SCORE)
   # The shift only guards exp() against overflow; softmax and lse = max + log(sum) are exact for
   # any constant shift, so it needs no gradient.
-  row_max = jax.lax.stop_gradient(jnp.max(scores_BxHxNxM, axis=-1, keepdims=True))
-  unnorm_BxHxNxM = jnp.exp(scores_BxHxNxM - row_max)
-  denom_BxHxNx1 = jnp.sum(unnorm_BxHxNxM, axis=-1, keepdims=True)
+  row_max = jax.lax.stop_gradient(jnp.max(scores_BxHxNxK, axis=-1, keepdims=True))
+  unnorm_BxHxNxK = jnp.exp(scores_BxHxNxK - row_max)
+  denom_BxHxNx1 = jnp.sum(unnorm_BxHxNxK, axis=-1, keepdims=True)
   # In a row with no allowed key every score carries the bias, so the row is garbage (not NaN):
-  # it is replaced by zeros on the small [.., N] side instead of masking the [.., N, M] side.
-  has_key_BxHxN = jnp.broadcast_to(jnp.any(mask_BxHxNxM, axis=-1), denom_BxHxNx1.shape[:-1])
+  # it is replaced by zeros on the small [.., N] side instead of masking the [.., N, K] side.
+  has_key_BxHxN = jnp.broadcast_to(jnp.any(mask_BxHxNxK, axis=-1), denom_BxHxNx1.shape[:-1])
   inv_denom_BxHxN = jnp.where(has_key_BxHxN, 1.0 / denom_BxHxNx1[..., 0], 0.0)
-  # Normalise the [N, D] output, not the [N, M] probabilities.
-  out = jnp.einsum("bhnm,bmhd->bnhd", unnorm_BxHxNxM, v.astype(jnp.float32))
+  # Normalise the [N, D] output, not the [N, K] probabilities.
+  out = jnp.einsum("bhnk,bkhd->bnhd", unnorm_BxHxNxK, v.astype(jnp.float32))
   out = out * inv_denom_BxHxN.transpose(0, 2, 1)[..., None]
   lse = jnp.where(has_key_BxHxN, row_max[..., 0] + jnp.log(denom_BxHxNx1[..., 0]), EMPTY_LSE)
-  probs_BxHxNxM = unnorm_BxHxNxM * inv_denom_BxHxN[..., None]  # dead code unless asked for
-  return out.astype(q.dtype), lse, probs_BxHxNxM
+  probs_BxHxNxK = unnorm_BxHxNxK * inv_denom_BxHxN[..., None]  # dead code unless asked for
+  return out.astype(q.dtype), lse, probs_BxHxNxK
 
 
 def band_attention_reference(q, k, v, key_mask, *, window: int, causal: bool):

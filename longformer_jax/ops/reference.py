@@ -1,9 +1,9 @@
 """Dense reference for Longformer attention: plainly correct, O(seq^2), for tests only.
 
-It builds the exact key set of DESIGN.md §2 for every query as an [seq, seq] boolean mask and runs
-an ordinary masked softmax. It shares nothing with the fast paths except the masked softmax, so a
-bug in the chunked/Pallas composition (dilation reshapes, LSE merge, global scatter) cannot hide
-behind the same bug here.
+It builds the exact key set of docs/design.md §1 for every query as an [seq, seq] boolean mask
+and runs an ordinary masked softmax. It shares nothing with the fast paths except the masked
+softmax, so a bug in the chunked/Pallas composition (dilation reshapes, LSE merge, global scatter)
+cannot hide behind the same bug here.
 """
 
 from __future__ import annotations
