@@ -19,8 +19,7 @@ python_ok() {  # python_ok EXE -> succeeds for a working interpreter >= 3.12
 
 find_python() {
   if [[ -n "${PYTHON:-}" ]]; then
-    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
-      || { echo "PYTHON=$PYTHON is not a working python >= 3.11" >&2; return 1; }
+    python_ok "$PYTHON" || { echo "PYTHON=$PYTHON is not a working python >= 3.12" >&2; return 1; }
     echo "$PYTHON"; return
   fi
   local candidates=()

@@ -1,22 +1,25 @@
 """longformer-jax: Longformer (Beltagy, Peters, Cohan 2020) in JAX / Flax NNX.
 
   ops           pure functions: `ops.longformer_attention` and the band kernels behind it
-  LongformerConfig, Longformer*      NNX models matching HF's classes (`convert` to/from HF)
-  checkpoint    Orbax save/load of any model here
+  LongformerConfig, CharLMConfig   frozen configs with presets, one shared vocabulary
+  LongformerSelfAttention          the one attention module (encoder, char LM, LED's encoder)
+  Longformer*   NNX models matching HF's classes (`convert` to/from HF)
+  LongformerForCausalLM, evaluate_bpc   the paper's character-level LM
+  checkpoint    Orbax save/load of models and train states
   data          enwik8 / text8 (and the bundled samples), wikifil, the batch sampler
-  LongformerForCausalLM, CharLMConfig, evaluate_bpc   the paper's character-level LM
-  training      staged, sharded training with Orbax checkpoints (train/charlm.py runs it)
+  training      mesh-sharded training with Orbax checkpoints (train/charlm.py runs it)
 """
 
 # `ops` first: the model modules import it.
 from longformer_jax import ops
 from longformer_jax import checkpoint, convert
 from longformer_jax.checkpoint import load_model, save_model
-from longformer_jax.causal_lm import CharLMConfig, LongformerForCausalLM
-from longformer_jax.config import LongformerConfig
+from longformer_jax.attention import LongformerSelfAttention
+from longformer_jax.causal_lm import LongformerForCausalLM
+from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.convert import from_hf, roberta_to_longformer, to_hf
+from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
 from longformer_jax.evaluation import evaluate_bpc
-from longformer_jax.layers import LongformerEmbeddings, LongformerLayer, LongformerSelfAttention
 from longformer_jax.modeling import (
     LongformerForMaskedLM, LongformerForMultipleChoice, LongformerForQuestionAnswering,
     LongformerForSequenceClassification, LongformerForTokenClassification, LongformerLogitsOutput,

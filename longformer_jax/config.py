@@ -1,14 +1,17 @@
-"""`LongformerConfig`: the hyperparameters of a Longformer encoder, with `base` and `large` presets.
+"""Model configurations: `LongformerConfig` (the HF-compatible encoder) and `CharLMConfig` (the
+paper's character-level LM), with named presets.
 
-Field names follow HF transformers' `LongformerConfig` so that checkpoints map one to one, with one
-deliberate difference: `attention_window` is ONE-SIDED here (a query sees `window` keys on each
-side), while HF stores the total window. `longformer_jax.convert` halves/doubles it at the
-boundary; nothing else in this package ever sees a total window (DESIGN.md §2).
+Both share one vocabulary (`TransformerConfig`): HF transformers' field names, so checkpoints map
+one to one, with one deliberate difference: `attention_window` is ONE-SIDED here (a query sees
+`window` keys on each side), while HF stores the total window. `longformer_jax.convert` halves and
+doubles it at the boundary; nothing else in this package ever sees a total window
+(docs/design.md §3).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -20,14 +23,15 @@ _IntOrTuple = int | tuple
 
 
 @dataclasses.dataclass(frozen=True)
-class LongformerConfig:
-  """Hyperparameters of a Longformer encoder and its task heads.
+class TransformerConfig:
+  """The fields every model here has. Subclasses add their own and choose other defaults.
 
-  Defaults are allenai/longformer-base-4096. `attention_window` is one-sided: an int for every
-  layer or a tuple with one int per layer. `attention_dilation` is an int for every layer and head,
-  or a tuple with one entry per layer, each an int or a tuple with one int per head.
-  `max_position_embeddings` counts RoBERTa's offset: positions start at `pad_token_id + 1`, so
-  4098 holds 4096 tokens (see `max_sequence_length`).
+  attention_window: one-sided; an int for every layer or one int per layer.
+  attention_dilation: an int for every layer and head, or one entry per layer, each an int or
+    one int per head.
+  dtype: compute dtype of the matmuls; param_dtype: dtype of the parameters (bf16 compute with
+    float32 parameters works). Softmax and LayerNorm statistics are float32 whatever `dtype` is.
+  remat: recompute each layer's activations in the backward pass (memory for compute).
   """
 
   vocab_size: int = 50265
@@ -37,44 +41,28 @@ class LongformerConfig:
   intermediate_size: int = 3072
   hidden_act: str = "gelu"
   hidden_dropout_prob: float = 0.1
-  # HF applies dropout to attention probabilities; the banded attention op never materialises
-  # them, so this value is carried for checkpoint round trips but not applied (docs/models.md).
-  attention_probs_dropout_prob: float = 0.1
-  max_position_embeddings: int = 4098
-  type_vocab_size: int = 1
-  initializer_range: float = 0.02
   layer_norm_eps: float = 1e-5
-  pad_token_id: int = 1
-  bos_token_id: int = 0
-  eos_token_id: int = 2
-  sep_token_id: int = 2
-  attention_window: _IntOrTuple = 256  # one-sided, per layer
-  attention_dilation: _IntOrTuple = 1  # per layer, per head
-  # Not in HF: causal band (no global tokens then), the op's implementation, compute and
-  # parameter dtypes (bf16 compute with float32 parameters works), per-layer rematerialisation.
-  causal: bool = False
+  initializer_range: float = 0.02
+  attention_window: _IntOrTuple = 256
+  attention_dilation: _IntOrTuple = 1
   attention_impl: str = "auto"
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   remat: bool = False
-  num_labels: int = 2  # classes of the classification heads (HF derives it from id2label)
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "intermediate_size", "max_position_embeddings", "type_vocab_size", "num_labels"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+                 "intermediate_size"):
+      _check_positive_int(name, getattr(self, name))
     if self.hidden_size % self.num_attention_heads:
       raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
                        f"num_attention_heads={self.num_attention_heads}")
     activation(self.hidden_act)  # raises on a name it does not know
+    if not 0.0 <= self.hidden_dropout_prob < 1.0:
+      raise ValueError(f"hidden_dropout_prob must be in [0, 1), got {self.hidden_dropout_prob}")
     if self.attention_impl not in ("auto",) + ops.IMPLS:
       raise ValueError(f"attention_impl={self.attention_impl!r} is not one of "
                        f"{('auto',) + ops.IMPLS}")
-    if not 0 <= self.pad_token_id < self.vocab_size:
-      raise ValueError(f"pad_token_id={self.pad_token_id} is outside the vocabulary "
-                       f"(vocab_size={self.vocab_size})")
     # JSON and HF configs give lists; store tuples so the config stays hashable and comparable.
     for name in ("attention_window", "attention_dilation"):
       value = getattr(self, name)
@@ -87,6 +75,9 @@ class LongformerConfig:
         object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
       except TypeError as e:
         raise TypeError(f"{name}={getattr(self, name)!r} is not a dtype") from e
+      if not jnp.issubdtype(getattr(self, name), jnp.floating):
+        raise ValueError(f"{name}={getattr(self, name).name} must be a floating dtype "
+                         "(float32, bfloat16, float16)")
     # Evaluate the per-layer views once: they raise on bad windows/dilations.
     self.layer_windows  # pylint: disable=pointless-statement
     self.layer_dilations  # pylint: disable=pointless-statement
@@ -96,19 +87,10 @@ class LongformerConfig:
     return self.hidden_size // self.num_attention_heads
 
   @property
-  def max_sequence_length(self) -> int:
-    """The longest input the position table holds (RoBERTa positions start at pad_token_id+1)."""
-    return self.max_position_embeddings - self.pad_token_id - 1
-
-  @property
   def layer_windows(self) -> tuple[int, ...]:
     """One-sided window of every layer."""
-    windows = _per_layer(self.attention_window, self.num_hidden_layers, "attention_window")
-    for layer, w in enumerate(windows):
-      if not isinstance(w, int) or isinstance(w, bool) or w < 1:
-        raise ValueError(f"attention_window of layer {layer} must be an int >= 1 (one-sided), "
-                         f"got {w!r}")
-    return windows
+    return check_windows(_per_layer(self.attention_window, self.num_hidden_layers,
+                                    "attention_window"), self.num_hidden_layers)
 
   @property
   def layer_dilations(self) -> tuple[tuple[int, ...], ...]:
@@ -123,7 +105,7 @@ class LongformerConfig:
       dilations.append(heads)
     return tuple(dilations)
 
-  def replace(self, **changes) -> LongformerConfig:
+  def replace(self, **changes):
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
@@ -134,11 +116,46 @@ class LongformerConfig:
     return d
 
   @classmethod
-  def from_dict(cls, d: dict[str, Any]) -> LongformerConfig:
+  def from_dict(cls, d: dict[str, Any]):
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
-      raise ValueError(f"unknown LongformerConfig fields: {unknown}")
+      raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
     return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class LongformerConfig(TransformerConfig):
+  """Hyperparameters of a Longformer encoder and its task heads (HF's `LongformerConfig`).
+
+  Defaults are allenai/longformer-base-4096. `max_position_embeddings` counts RoBERTa's offset:
+  positions start at `pad_token_id + 1`, so 4098 holds 4096 tokens (see `max_sequence_length`).
+  """
+
+  # HF applies dropout to attention probabilities; the banded attention op never materialises
+  # them, so this value is carried for checkpoint round trips but not applied (docs/models.md).
+  attention_probs_dropout_prob: float = 0.1
+  max_position_embeddings: int = 4098
+  type_vocab_size: int = 1
+  pad_token_id: int = 1
+  bos_token_id: int = 0
+  eos_token_id: int = 2
+  sep_token_id: int = 2
+  # Not in HF: a causal band (no global tokens then).
+  causal: bool = False
+  num_labels: int = 2  # classes of the classification heads (HF derives it from id2label)
+
+  def __post_init__(self):
+    super().__post_init__()
+    for name in ("max_position_embeddings", "type_vocab_size", "num_labels"):
+      _check_positive_int(name, getattr(self, name))
+    if not 0 <= self.pad_token_id < self.vocab_size:
+      raise ValueError(f"pad_token_id={self.pad_token_id} is outside the vocabulary "
+                       f"(vocab_size={self.vocab_size})")
+
+  @property
+  def max_sequence_length(self) -> int:
+    """The longest input the position table holds (RoBERTa positions start at pad_token_id+1)."""
+    return self.max_position_embeddings - self.pad_token_id - 1
 
   @classmethod
   def base(cls, **changes) -> LongformerConfig:
@@ -151,6 +168,120 @@ class LongformerConfig:
     shape = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                  intermediate_size=4096)
     return cls(**{**shape, **changes})
+
+
+_ATTENTIONS = ("band", "full")
+
+
+@dataclasses.dataclass(frozen=True)
+class CharLMConfig(TransformerConfig):
+  """Shape and behaviour of a `LongformerForCausalLM` (paper §4). Presets: `tiny/small/large()`.
+
+  attention_window: the ONE-SIDED causal window of each layer (query i sees keys i - d*t,
+    t = 0..w); the staged schedule overrides it per stage at call time.
+  attention: "band" (Longformer) or "full" (dense causal attention, a baseline).
+  Parameters, LayerNorm, softmax, the residual stream and logits stay float32 whatever `dtype`
+  (the matmuls' compute dtype) is.
+  """
+
+  vocab_size: int = 256
+  hidden_size: int = 512
+  num_hidden_layers: int = 12
+  num_attention_heads: int = 8
+  intermediate_size: int = 2048
+  hidden_act: str = "gelu_new"  # jax.nn.gelu's default, the tanh approximation
+  hidden_dropout_prob: float = 0.0
+  attention_window: _IntOrTuple = 32
+  attention: str = "band"
+  tie_word_embeddings: bool = True
+  rope_base: float = 10_000.0
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.vocab_size < 2:
+      raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
+    if self.head_dim % 2:
+      raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim} "
+                       f"(hidden_size={self.hidden_size}, "
+                       f"num_attention_heads={self.num_attention_heads})")
+    if self.attention not in _ATTENTIONS:
+      raise ValueError(f"attention must be one of {_ATTENTIONS}, got {self.attention!r}")
+
+  @classmethod
+  def tiny(cls, **changes) -> CharLMConfig:
+    """The CPU demo model: 4 layers, hidden 128, 0.8M parameters. Sized for ~10 minutes of 2 CPU
+    cores: at that budget a smaller model seeing more bytes beats a larger one seeing fewer."""
+    return cls(**{**dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4,
+                         intermediate_size=512, attention_window=growing_windows(32, 128, 4)),
+                  **changes})
+
+  @classmethod
+  def small(cls, **changes) -> CharLMConfig:
+    """The paper's small char-LM (paper Appendix B, Table 12): 12 layers, 8 heads, hidden 512,
+    dropout 0.2, pre-LayerNorm, GELU. First-stage windows 32 -> 512 from bottom to top layer
+    (paper §4.2.2 and Table 4, "Increasing w (from 32 to 512)" with the phase-1 configuration;
+    the paper does not say how the layers in between are spaced, linear here). Dilation on 2
+    heads of layers 6-11, growing 2, 3, 4 (`_PAPER_DILATIONS_SMALL`). intermediate_size 2048
+    (4 x hidden) is not stated in the paper; it is Transformer-XL's enwik8 base inner size, which
+    the paper says it follows."""
+    return cls(**{**dict(num_hidden_layers=12, attention_window=growing_windows(32, 512, 12),
+                         attention_dilation=grouped_dilations(8, _PAPER_DILATIONS_SMALL),
+                         hidden_dropout_prob=0.2, dtype=jnp.bfloat16),
+                  **changes})
+
+  @classmethod
+  def large(cls, **changes) -> CharLMConfig:
+    """The paper's large char-LM (paper Appendix B, Table 12): 30 layers, dropout 0.4, dilation
+    on 2 heads of layers 15-29 (`_PAPER_DILATIONS_LARGE`); otherwise as `small`."""
+    return cls(**{**dict(num_hidden_layers=30, attention_window=growing_windows(32, 512, 30),
+                         attention_dilation=grouped_dilations(8, _PAPER_DILATIONS_LARGE),
+                         hidden_dropout_prob=0.4, dtype=jnp.bfloat16, remat=True),
+                  **changes})
+
+
+def growing_windows(first: int, last: int, num_layers: int) -> tuple[int, ...]:
+  """Windows growing linearly from the bottom layer to the top (the paper's layout), rounded."""
+  if num_layers == 1:
+    return (last,)
+  step = (last - first) / (num_layers - 1)
+  return tuple(int(round(first + step * i)) for i in range(num_layers))
+
+
+def grouped_dilations(num_heads: int, groups: Sequence[tuple[int, int]], *,
+                      dilated_heads: int = 2) -> tuple[tuple[int, ...], ...]:
+  """Per-layer dilations from (num_layers, dilation) runs listed bottom to top: each run's
+  `dilation` on the last `dilated_heads` heads of its layers, 1 on the other heads."""
+  out = []
+  for num_layers, dilation in groups:
+    out += [(1,) * (num_heads - dilated_heads) + (dilation,) * dilated_heads] * num_layers
+  return tuple(out)
+
+
+# Paper Appendix B, Table 12: "Dilation (small model) 0 (layers 0-5), 1 (layers 6-7), 2 (layers
+# 8-9), 3 (layers 10-11)", large "0 (0-14), 1 (15-19), 2 (20-24), 3 (25-29)", on "2 heads only".
+# The table's 0 is "no dilation", so its numbers are read as the gap between attended keys and
+# the dilation here (keys i - d*t, d = 1 is contiguous) is that number + 1. The paper does not
+# state its unit; the other reading (d = 1, 2, 3) would leave layers 6-7 / 15-19 undilated.
+_PAPER_DILATIONS_SMALL = ((6, 1), (2, 2), (2, 3), (2, 4))
+_PAPER_DILATIONS_LARGE = ((15, 1), (5, 2), (5, 3), (5, 4))
+
+
+def check_windows(windows: Sequence[int], num_layers: int) -> tuple[int, ...]:
+  """`windows` as a tuple, after checking it holds one one-sided window >= 1 per layer."""
+  windows = tuple(windows)
+  if len(windows) != num_layers:
+    raise ValueError(f"windows need one entry per layer ({num_layers}), got {len(windows)}: "
+                     f"{windows}")
+  for layer, w in enumerate(windows):
+    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+      raise ValueError(f"attention_window of layer {layer} must be an int >= 1 (one-sided), "
+                       f"got {w!r}")
+  return windows
+
+
+def _check_positive_int(name: str, value) -> None:
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def _per_layer(value, n: int, name: str) -> tuple:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from collections.abc import Iterator, Sequence
 
 import jax
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from longformer_jax.causal_lm import next_byte_nll
+from longformer_jax import checkpoint
+from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 
 PROTOCOLS = ("sliding", "chunks")
 
@@ -87,10 +89,10 @@ def _nll_sums_fn(graphdef, windows):
   reuses the compiled function instead of tracing a new one."""
 
   @jax.jit
-  def nll_sums(state, inputs_BxL, targets_BxL, weights_BxL):
-    logits_BxLxV = nnx.merge(graphdef, state)(inputs_BxL, windows=windows)
-    nll_BxL = next_byte_nll(logits_BxLxV, targets_BxL)
-    return jnp.sum(nll_BxL * weights_BxL), jnp.sum(weights_BxL)
+  def nll_sums(state, inputs_BxN, targets_BxN, weights_BxN):
+    logits_BxNxV = nnx.merge(graphdef, state)(inputs_BxN, windows=windows)
+    nll_BxN = next_byte_nll(logits_BxNxV, targets_BxN)
+    return jnp.sum(nll_BxN * weights_BxN), jnp.sum(weights_BxN)
 
   return nll_sums
 
@@ -161,3 +163,43 @@ def evaluate_bpc(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
                               batch_size=batch_size, protocol=protocol, windows=windows,
                               mesh=mesh, progress=progress)
   return total / count / math.log(2)
+
+
+def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
+                 mesh: jax.sharding.Mesh | None = None, context: int = 32256, stride: int = 512,
+                 score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
+                 progress: bool = False) -> dict:
+  """BPC of a training run's checkpoint on `data`: the evaluation of train/charlm.py (after
+  training) and of eval/bpc.py.
+
+  Reads <workdir>/run_config.json, restores the parameters of checkpoint `step` (default: the
+  latest) and nothing else (`checkpoint.load_params`: no optimizer state), and scores `data`
+  with the final stage's attention windows (`evaluate_bpc`'s other arguments). mesh: the batch
+  is split over it and the parameters are sharded by the run's logical rules (default: all
+  devices on the data axis). Returns {"bpc", "bytes", "step", "windows", and the protocol}.
+  """
+  # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
+  from longformer_jax.training import (  # pylint: disable=g-import-not-at-top
+      make_mesh, param_shardings, read_run_config)
+  cfg = read_run_config(workdir)
+  mesh = make_mesh((-1, 1)) if mesh is None else mesh
+  step = checkpoint.latest_step(workdir) if step is None else step
+  if step is None:
+    raise FileNotFoundError(f"no checkpoint under {workdir}")
+  model = checkpoint.restore_model(
+      lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed)), workdir, step=step,
+      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
+  windows = cfg.stage_windows(-1)
+  start = time.perf_counter()
+  bpc = evaluate_bpc(model, data, context=context, stride=stride, score_last=score_last,
+                     batch_size=batch_size, protocol=protocol, windows=windows, mesh=mesh,
+                     progress=progress)
+  return {"bpc": bpc, "bytes": int(len(data)), "step": step, "windows": list(windows),
+          "protocol": protocol, "context": context, "stride": stride, "batch_size": batch_size,
+          "seconds": round(time.perf_counter() - start, 1)}
+
+
+def describe(result: dict) -> str:
+  """One line for an `evaluate_run` result."""
+  return (f"{result['bpc']:.4f} bpc ({result['protocol']}, context {result['context']}, stride "
+          f"{result['stride']}; {result['bytes']:,} bytes; step {result['step']})")

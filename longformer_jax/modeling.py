@@ -13,7 +13,7 @@ checks it at 1e-5 in float32), with these interface differences:
     with a global mask it cannot count while tracing (see `ops.longformer_attention`). Models
     that set global attention themselves (sequence classification) pass it for you.
 
-Shapes: B batch, C choices, N sequence, D hidden, V vocabulary, L labels.
+Shapes (docs/design.md §4): B batch, C choices, N sequence, E hidden, V vocabulary, L labels.
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ import jax.numpy as jnp
 from flax import nnx
 
 from longformer_jax.config import LongformerConfig
-from longformer_jax.layers import (LongformerEmbeddings, LongformerLayer, dense, layer_norm,
-                                   logical_axes)
+from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
+from longformer_jax.layers import dense, layer_norm, logical_axes, maybe_remat
 
 
 @flax.struct.dataclass
 class LongformerModelOutput:
-  last_hidden_state: jax.Array  # [B, N, D]
-  pooler_output: jax.Array | None = None  # [B, D], tanh(dense(<s> state)), if the model pools
-  hidden_states: tuple[jax.Array, ...] | None = None  # embeddings + every layer, each [B, N, D]
+  last_hidden_state: jax.Array  # [B, N, E]
+  pooler_output: jax.Array | None = None  # [B, E], tanh(dense(<s> state)), if the model pools
+  hidden_states: tuple[jax.Array, ...] | None = None  # embeddings + every layer, each [B, N, E]
   attentions: tuple[jax.Array, ...] | None = None  # every layer, each [B, H, N, N] float32
 
 
@@ -124,7 +124,7 @@ class LongformerModel(nnx.Module):
             initializer_range=c.initializer_range, **dtypes, rngs=rngs)
         for window, dilation in zip(c.layer_windows, c.layer_dilations)])
     self.pooler = (dense(c.hidden_size, c.hidden_size, ("embed", None),
-                         stddev=c.initializer_range, **dtypes, rngs=rngs)
+                         init=nnx.initializers.normal(c.initializer_range), **dtypes, rngs=rngs)
                    if add_pooling_layer else None)
 
   @property
@@ -167,24 +167,23 @@ class LongformerModel(nnx.Module):
     token_type_ids = _check_like_ids("token_type_ids", token_type_ids, shape)
     position_ids = _check_like_ids("position_ids", position_ids, shape)
 
-    hidden_BxNxD = self.embeddings(ids_BxN, token_type_ids, position_ids)
+    hidden_BxNxE = self.embeddings(ids_BxN, token_type_ids, position_ids)
 
-    def run_layer(layer, hidden_BxNxD, mask_BxN, global_BxN):
-      return layer(hidden_BxNxD, mask_BxN, global_BxN, max_global=max_global,
+    def run_layer(layer, hidden_BxNxE, mask_BxN, global_BxN):
+      return layer(hidden_BxNxE, mask_BxN, global_BxN, max_global=max_global,
                    output_attentions=output_attentions)
 
-    if c.remat:
-      run_layer = nnx.remat(run_layer)
-    all_hidden, all_probs = [hidden_BxNxD], []
+    run_layer = maybe_remat(run_layer, c.remat)
+    all_hidden, all_probs = [hidden_BxNxE], []
     for layer in self.layers:
-      hidden_BxNxD, probs = run_layer(layer, hidden_BxNxD, mask_BxN, global_BxN)
-      all_hidden.append(hidden_BxNxD)
+      hidden_BxNxE, probs = run_layer(layer, hidden_BxNxE, mask_BxN, global_BxN)
+      all_hidden.append(hidden_BxNxE)
       all_probs.append(probs)
-    pooled_BxD = None
+    pooled_BxE = None
     if self.pooler is not None:
-      pooled_BxD = jnp.tanh(self.pooler(hidden_BxNxD[:, 0]))
+      pooled_BxE = jnp.tanh(self.pooler(hidden_BxNxE[:, 0]))
     return LongformerModelOutput(
-        last_hidden_state=hidden_BxNxD, pooler_output=pooled_BxD,
+        last_hidden_state=hidden_BxNxE, pooler_output=pooled_BxE,
         hidden_states=tuple(all_hidden) if output_hidden_states else None,
         attentions=tuple(all_probs) if output_attentions else None)
 
@@ -194,15 +193,16 @@ class LongformerLMHead(nnx.Module):
 
   def __init__(self, hidden_size: int, vocab_size: int, *, layer_norm_eps: float,
                initializer_range: float, dtype, param_dtype, rngs: nnx.Rngs):
-    self.dense = dense(hidden_size, hidden_size, ("embed", None), stddev=initializer_range,
-                       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.dense = dense(hidden_size, hidden_size, ("embed", None),
+                       init=nnx.initializers.normal(initializer_range), dtype=dtype,
+                       param_dtype=param_dtype, rngs=rngs)
     self.layer_norm = layer_norm(hidden_size, layer_norm_eps, dtype=dtype,
                                  param_dtype=param_dtype, rngs=rngs)
     self.bias = nnx.Param(jnp.zeros((vocab_size,), param_dtype), **logical_axes("vocab"))
 
-  def __call__(self, hidden_BxNxD, word_embeddings: nnx.Embed):
-    x_BxNxD = self.layer_norm(jax.nn.gelu(self.dense(hidden_BxNxD), approximate=False))
-    logits_BxNxV = word_embeddings.attend(x_BxNxD)
+  def __call__(self, hidden_BxNxE, word_embeddings: nnx.Embed):
+    x_BxNxE = self.layer_norm(jax.nn.gelu(self.dense(hidden_BxNxE), approximate=False))
+    logits_BxNxV = word_embeddings.attend(x_BxNxE)
     return logits_BxNxV + self.bias[...].astype(logits_BxNxV.dtype)
 
 
@@ -226,8 +226,9 @@ class LongformerForMaskedLM(nnx.Module):
 
 
 def _classifier(config: LongformerConfig, num_out: int, rngs: nnx.Rngs) -> nnx.LinearGeneral:
-  return dense(config.hidden_size, num_out, ("embed", None), stddev=config.initializer_range,
-               dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
+  return dense(config.hidden_size, num_out, ("embed", None),
+               init=nnx.initializers.normal(config.initializer_range), dtype=config.dtype,
+               param_dtype=config.param_dtype, rngs=rngs)
 
 
 class LongformerClassificationHead(nnx.Module):
@@ -238,9 +239,9 @@ class LongformerClassificationHead(nnx.Module):
     self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
     self.out_proj = _classifier(config, config.num_labels, rngs)
 
-  def __call__(self, hidden_BxNxD):
-    x_BxD = jnp.tanh(self.dense(self.dropout(hidden_BxNxD[:, 0])))
-    return self.out_proj(self.dropout(x_BxD))
+  def __call__(self, hidden_BxNxE):
+    x_BxE = jnp.tanh(self.dense(self.dropout(hidden_BxNxE[:, 0])))
+    return self.out_proj(self.dropout(x_BxE))
 
 
 class LongformerForSequenceClassification(nnx.Module):

@@ -1,17 +1,25 @@
 """Pallas band kernels (Triton-style and Mosaic-TPU-style) against the dense band reference.
 
-Everything runs on CPU: the kernels in Pallas interpret mode (forward, and the gradients of q,
-k, v under random cotangents for BOTH out and lse), and lowering for 'cuda' and 'tpu' through an
-abstract mesh (DESIGN.md §3), which proves the kernels become Triton / Mosaic custom calls with
-no silent fallback to XLA; and the captured Triton IR compiled to sm_90 cubins with the `triton`
-package (no GPU needed). The TPU suite is the Triton suite rerun by a one-line subclass.
-Tolerances are on the error divided by max(1, max |reference|): float32 1e-5, 16-bit 1e-2.
+The kernel suites follow jax's tests/pallas pattern: `TestTritonBand` runs the COMPILED Triton
+kernel (forward, and the gradients of q, k, v under random cotangents for BOTH out and lse) and
+skips, with its reason in the `-ra` summary, unless jax's backend is a GPU; the one-line subclass
+`TestTritonBandInterpret` reruns the same suite in Pallas interpret mode, on CPU. The TPU kernel
+has the same pair (`TestTpuBand`, `TestTpuBandInterpret`), the Triton suite rerun with TPU
+blocks and cases. tests/conftest.py sets JAX_PLATFORMS=cpu unless it is already set: run with
+JAX_PLATFORMS=cuda (or tpu) for the compiled classes.
+
+Also on CPU: lowering for 'cuda' and 'tpu' through an abstract mesh (docs/design.md §5.1), which proves
+the kernels become Triton / Mosaic custom calls with no silent fallback to XLA; and the captured
+Triton IR compiled to sm_90 cubins with the `triton` package (no GPU needed).
+Tolerances (tests/testing.py TOLERANCE) are on the error divided by max(1, max |reference|):
+float32 1e-5, 16-bit 1e-2.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 import warnings
 
 import jax
@@ -23,31 +31,7 @@ from jax.sharding import AbstractDevice, AbstractMesh
 from longformer_jax.ops.band_pallas import (BlockSizes, band_attention_pallas, check_supported,
                                             pallas_supported)
 from longformer_jax.ops.band_reference import EMPTY_LSE, band_attention_reference
-
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 1e-2}
-
-
-def make_inputs(seed, batch, seq, heads, head_dim, dtype, mask_kind):
-  """q, k, v ~ N(0, 1) in `dtype`; key_mask: 'all' real, 'holes' (~25% padding, scattered),
-  or 'holes+empty' (holes, and batch row 0 with every key masked)."""
-  rng = np.random.default_rng(seed)
-  q, k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
-             for _ in range(3))
-  key_mask = np.ones((batch, seq), bool)
-  if mask_kind != "all":
-    key_mask &= rng.random((batch, seq)) > 0.25
-  if mask_kind == "holes+empty":
-    key_mask[0] = False
-  return q, k, v, jnp.asarray(key_mask)
-
-
-def assert_close(actual, expected, tol, what):
-  actual = np.asarray(jnp.asarray(actual, jnp.float32))
-  expected = np.asarray(jnp.asarray(expected, jnp.float32))
-  assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
-  scale = max(1.0, float(np.max(np.abs(expected))))
-  err = float(np.max(np.abs(actual - expected))) / scale
-  assert err <= tol, f"{what}: max error {err:.3g} (relative to scale {scale:.3g}) > {tol}"
+from testing import assert_close, make_band_inputs, tolerance
 
 
 def assert_lse_close(actual, expected, tol):
@@ -59,9 +43,27 @@ def assert_lse_close(actual, expected, tol):
     assert_close(actual[~empty], expected[~empty], tol, "lse")
 
 
-# (seed, batch, seq, heads, head_dim, window, causal, mask_kind, dtype). Block sizes below make
-# seq 64/128 exact multiples and 77/100/200 not; windows run from 0 to beyond seq.
-TRITON_CASES = [
+class BandCase(typing.NamedTuple):
+  """One kernel test case (its seed a fixed integer); `str` is its test id."""
+  seed: int
+  batch: int
+  seq: int
+  heads: int
+  head_dim: int
+  window: int
+  causal: bool
+  mask_kind: str  # see testing.make_band_inputs
+  dtype: typing.Any
+
+  def __str__(self):
+    direction = "causal" if self.causal else "bidir"
+    return (f"n{self.seq}-w{self.window}-{direction}-{self.mask_kind}-"
+            f"{jnp.dtype(self.dtype).name}-s{self.seed}")
+
+
+# Block sizes below make seq 64/128 exact multiples and 77/100/200 not; windows run from 0 to
+# beyond seq.
+TRITON_CASES = [BandCase(*case) for case in [
     (0, 2, 64, 2, 16, 1, False, "holes+empty", jnp.float32),
     (1, 2, 100, 2, 32, 7, True, "holes+empty", jnp.float32),
     (2, 2, 100, 1, 32, 300, False, "holes+empty", jnp.float32),
@@ -72,10 +74,10 @@ TRITON_CASES = [
     (7, 1, 200, 2, 64, 40, True, "holes+empty", jnp.bfloat16),
     (8, 2, 77, 1, 32, 100, True, "holes+empty", jnp.float16),
     (9, 2, 50, 2, 8, 5, False, "holes+empty", jnp.float32),  # head_dim 8: zero-padded to 16
-]
+]]
 # TPU tiles are >= 128 rows: seq 200/300 are padded, 256/384 exact; 384 with a small window has
 # key blocks outside the band of every query block.
-TPU_CASES = [
+TPU_CASES = [BandCase(*case) for case in [
     (10, 2, 200, 2, 64, 7, False, "holes+empty", jnp.float32),
     (11, 1, 256, 2, 64, 1, True, "holes", jnp.float32),
     (12, 2, 300, 1, 64, 400, False, "holes+empty", jnp.float32),
@@ -83,28 +85,35 @@ TPU_CASES = [
     (14, 2, 200, 1, 40, 0, False, "all", jnp.float32),  # head_dim 40: zero-padded to 64
     (15, 2, 300, 1, 64, 130, False, "holes+empty", jnp.bfloat16),
     (16, 1, 384, 2, 64, 5, True, "holes", jnp.bfloat16),
-]
-
-
-def _case_id(case):
-  seed, b, n, h, d, w, causal, mask, dtype = case
-  return f"n{n}-w{w}-{'causal' if causal else 'bidir'}-{mask}-{jnp.dtype(dtype).name}-s{seed}"
+]]
 
 
 class TestTritonBand:
+  """The compiled Triton kernel against the reference; skips unless jax's backend is a GPU."""
   BACKEND = "triton"
+  PLATFORM = "gpu"  # the jax.default_backend() that the compiled kernel needs
+  INTERPRET = False
   # Unequal, small blocks: several blocks per sequence, band skipping in every kernel.
   BLOCKS = BlockSizes(block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16, block_q_dq=16,
                       block_k_dq=32)
-  CASES = TRITON_CASES
+  GRID = TRITON_CASES  # tests/conftest.py parametrizes `grid_case` over it
+
+  def setup_method(self):
+    backend = jax.default_backend()
+    if not self.INTERPRET and backend != self.PLATFORM:
+      kernel = {"triton": "Triton", "tpu": "Mosaic TPU"}[self.BACKEND]
+      pytest.skip(f"compiled {kernel} kernels need a {self.PLATFORM.upper()} (jax backend is "
+                  f"{backend}); {type(self).__name__}Interpret runs the same suite in "
+                  "interpret mode")
 
   def band(self, q, k, v, key_mask, window, causal):
     return band_attention_pallas(q, k, v, key_mask, window=window, causal=causal,
-                                 block_sizes=self.BLOCKS, interpret=True, backend=self.BACKEND)
+                                 block_sizes=self.BLOCKS, interpret=self.INTERPRET,
+                                 backend=self.BACKEND)
 
-  def test_forward_and_gradients(self, case):
-    seed, batch, seq, heads, head_dim, window, causal, mask_kind, dtype = case
-    q, k, v, key_mask = make_inputs(seed, batch, seq, heads, head_dim, dtype, mask_kind)
+  def test_forward_and_gradients(self, grid_case):
+    seed, batch, seq, heads, head_dim, window, causal, mask_kind, dtype = grid_case
+    q, k, v, key_mask = make_band_inputs(seed, batch, seq, heads, head_dim, dtype, mask_kind)
     kernel = lambda q, k, v: self.band(q, k, v, key_mask, window, causal)
     reference = lambda q, k, v: band_attention_reference(q, k, v, key_mask, window=window,
                                                          causal=causal)
@@ -112,10 +121,10 @@ class TestTritonBand:
     (out_ref, lse_ref), reference_vjp = jax.vjp(reference, q, k, v)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert lse.dtype == jnp.float32 and lse.shape == (batch, heads, seq)
-    tol = TOLERANCE[dtype]
+    tol = tolerance(dtype)
     assert_close(out, out_ref, tol, "out")
     # lse is float32 whatever the input dtype; with 16-bit inputs it inherits their rounding.
-    assert_lse_close(lse, lse_ref, 1e-5 if dtype == jnp.float32 else tol)
+    assert_lse_close(lse, lse_ref, tol)
 
     rng = np.random.default_rng(seed + 1000)
     dout = jnp.asarray(rng.standard_normal(out.shape), dtype)
@@ -132,8 +141,8 @@ class TestTritonBand:
       np.testing.assert_array_equal(np.asarray(grads[0][0], np.float32), 0.0)
 
   def test_under_jit(self):
-    q, k, v, key_mask = make_inputs(20, 1, 96, 2, 32 if self.BACKEND == "triton" else 64,
-                                    jnp.float32, "holes")
+    q, k, v, key_mask = make_band_inputs(20, 1, 96, 2, 32 if self.BACKEND == "triton" else 64,
+                                         jnp.float32, "holes")
     loss = lambda fn: (lambda q, k, v: sum(jnp.sum(jnp.sin(x)) for x in fn(q, k, v)))
     kernel = loss(lambda q, k, v: self.band(q, k, v, key_mask, 9, False))
     reference = loss(lambda q, k, v: band_attention_reference(q, k, v, key_mask, window=9,
@@ -141,7 +150,7 @@ class TestTritonBand:
     grads = jax.jit(jax.grad(kernel, argnums=(0, 1, 2)))(q, k, v)
     grads_ref = jax.grad(reference, argnums=(0, 1, 2))(q, k, v)
     for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
-      assert_close(g, g_ref, 1e-5, name)
+      assert_close(g, g_ref, tolerance(jnp.float32), name)
 
   def test_skips_blocks_outside_the_band(self):
     """NaN in queries/keys/values far outside the band must not reach near rows: a kernel that
@@ -150,7 +159,7 @@ class TestTritonBand:
     `near` keeps two tiles plus the window away from `far` (tiles are <= seq / 4 here)."""
     seq, window = (256, 4) if self.BACKEND == "triton" else (512, 4)
     near, far = seq // 4, seq * 3 // 4
-    q, k, v, key_mask = make_inputs(21, 1, seq, 1, 64, jnp.float32, "all")
+    q, k, v, key_mask = make_band_inputs(21, 1, seq, 1, 64, jnp.float32, "all")
     poison = lambda x: x.at[:, far:].set(jnp.nan)
     (out, _), vjp = jax.vjp(lambda q, k, v: self.band(q, k, v, key_mask, window, False),
                             poison(q), poison(k), poison(v))
@@ -160,14 +169,17 @@ class TestTritonBand:
       assert np.all(np.isfinite(np.asarray(x[:, :near]))), name
 
 
-def pytest_generate_tests(metafunc):
-  if "case" in metafunc.fixturenames:
-    cases = metafunc.cls.CASES
-    metafunc.parametrize("case", cases, ids=[_case_id(c) for c in cases])
+class TestTritonBandInterpret(TestTritonBand):
+  INTERPRET = True
 
 
 class TestTpuBand(TestTritonBand):
-  BACKEND, BLOCKS, CASES = "tpu", BlockSizes(*(128,) * 6), TPU_CASES
+  """The compiled Mosaic TPU kernel; skips unless jax's backend is a TPU."""
+  BACKEND, PLATFORM, BLOCKS, GRID = "tpu", "tpu", BlockSizes(*(128,) * 6), TPU_CASES
+
+
+class TestTpuBandInterpret(TestTpuBand):
+  INTERPRET = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +197,7 @@ def _lower(platform, fn, *args):
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind=kind, num_cores=1 if platform == "tpu" else None, platform=platform))
   with jax.sharding.use_abstract_mesh(mesh), warnings.catch_warnings():
-    # jax 0.12 warns that the Pallas Triton backend is deprecated (DESIGN.md §3).
+    # jax 0.12 warns that the Pallas Triton backend is deprecated (docs/design.md §5.1).
     warnings.simplefilter("ignore", DeprecationWarning)
     return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 

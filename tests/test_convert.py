@@ -10,12 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.numpy
-import torch
-import transformers
 from flax import nnx
 
-from hf_testing import make_inputs, random_longformer, random_roberta
+_NEEDS = "conversion is tested against PyTorch HF models: pip install -e '.[torch]'"
+torch = pytest.importorskip("torch", reason=_NEEDS)
+transformers = pytest.importorskip("transformers", reason=_NEEDS)
+safetensors_numpy = pytest.importorskip("safetensors.numpy", reason=_NEEDS)
+
+from hf_testing import random_longformer, random_roberta  # pylint: disable=wrong-import-position
+from testing import make_model_inputs as make_inputs
 from longformer_jax import convert, modeling
 from longformer_jax.config import LongformerConfig
 
@@ -116,7 +119,7 @@ def test_masked_lm_checkpoint_into_classifier():
 
 def _save_weights(directory, weights, config):
   directory.mkdir()
-  safetensors.numpy.save_file(weights, directory / "model.safetensors")
+  safetensors_numpy.save_file(weights, directory / "model.safetensors")
   (directory / "config.json").write_text(json.dumps(config))
 
 

@@ -54,15 +54,6 @@ def test_each_epoch_serves_distinct_windows_with_its_own_cut():
     assert not np.array_equal(first, starts)
 
 
-def test_unshuffled_is_stream_order():
-    sampler = make(shuffle=False)
-    np.testing.assert_array_equal(sampler.global_window_starts(1), 16 * np.arange(8, 16))
-    last = sampler.batches_per_epoch - 1
-    np.testing.assert_array_equal(
-        sampler.global_window_starts(last + 1), sampler.global_window_starts(0)
-    )
-
-
 def test_resume_continues_exactly():
     uninterrupted = make()
     expected = [next(uninterrupted) for _ in range(12)]
@@ -90,10 +81,9 @@ def test_resume_rejects_a_different_stream():
         make().load_state({"step": 3})
 
 
-@pytest.mark.parametrize("shuffle", [True, False])
-def test_processes_split_the_global_batch(shuffle):
-    one = make(shuffle=shuffle)
-    hosts = [make(shuffle=shuffle, process_index=p, process_count=2) for p in range(2)]
+def test_processes_split_the_global_batch():
+    one = make()
+    hosts = [make(process_index=p, process_count=2) for p in range(2)]
     assert hosts[0].local_batch_size == 4
     # Across an epoch boundary too.
     for step in (0, 1, one.batches_per_epoch - 1, one.batches_per_epoch):

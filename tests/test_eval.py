@@ -8,10 +8,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longformer_jax.causal_lm import CharLMConfig, LongformerForCausalLM, next_byte_nll
+from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
+from longformer_jax.config import CharLMConfig
 from longformer_jax.evaluation import evaluate_bpc, evaluate_nll, window_plan
 
-MODEL = CharLMConfig(num_layers=2, hidden=32, num_heads=2, mlp_dim=64, windows=(4, 8))
+MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                     intermediate_size=64, attention_window=(4, 8))
 
 
 def _coverage(num_bytes, plan):

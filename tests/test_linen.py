@@ -9,13 +9,10 @@ import pytest
 from flax import nnx
 from flax.core import meta
 
-from hf_testing import make_inputs
+from testing import make_model_inputs as make_inputs, tiny_encoder_config
 from longformer_jax import linen, modeling
-from longformer_jax.config import LongformerConfig
 
-CONFIG = LongformerConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3,
-                          num_attention_heads=4, intermediate_size=96, max_position_embeddings=40,
-                          type_vocab_size=2, attention_window=(2, 4, 3))
+CONFIG = tiny_encoder_config()
 
 
 @pytest.mark.parametrize("model_class", [modeling.LongformerModel,

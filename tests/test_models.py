@@ -7,24 +7,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from hf_testing import BATCH, SEQ, VOCAB, make_inputs
+from testing import BATCH, SEQ, VOCAB, make_model_inputs as make_inputs, tiny_encoder_config
 from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 
-# The shapes of the parity tests (tests/hf_testing.py), so that eager ops compiled for one test
-# are reused by the next: windows 2, 4, 3 (one-sided), inputs [3, 23].
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-             intermediate_size=96, max_position_embeddings=40, type_vocab_size=2,
-             attention_window=(2, 4, 3))
-
-
-def small_config(**changes) -> LongformerConfig:
-  return LongformerConfig(**{**SMALL, **changes})
+small_config = tiny_encoder_config
 
 
 def inputs(seed: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -44,23 +34,19 @@ def eval_model(cls=modeling.LongformerModel, seed: int = 0, **changes):
 # Config.
 
 
-def test_presets_match_hf_parameter_counts():
-  """base and large have allenai/longformer-{base,large}-4096's shapes: same parameter count as
-  the HF masked LM built from their config (on torch's meta device: no memory)."""
-  for preset, hf_window in ((LongformerConfig.base(), 512), (LongformerConfig.large(), 512)):
-    assert preset.layer_windows == (256,) * preset.num_hidden_layers
-    assert preset.max_sequence_length == 4096
-    ours = nnx.eval_shape(lambda p=preset: modeling.LongformerForMaskedLM(p, rngs=nnx.Rngs(0)))
-    count = sum(x.size for x in jax.tree.leaves(nnx.state(ours, nnx.Param)))
-    hf_config = transformers.LongformerConfig(
-        **{k: getattr(preset, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
-                                            "num_attention_heads", "intermediate_size",
-                                            "max_position_embeddings", "type_vocab_size")},
-        attention_window=hf_window)
-    with torch.device("meta"):
-      hf_model = transformers.LongformerForMaskedLM(hf_config)
-    assert count == sum(p.numel() for p in hf_model.parameters())
-  assert LongformerConfig.large().hidden_size == 1024
+def test_golden_masked_lm_logits():
+  """Recorded with the code before the encoder and the char LM shared one attention module
+  (commit 113f37c): initialisation and computation unchanged (bit for bit on CPU)."""
+  config = LongformerConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                            num_attention_heads=4, intermediate_size=48,
+                            max_position_embeddings=40, attention_window=(2, 3),
+                            attention_dilation=(1, (1, 2, 1, 2)))
+  model = modeling.LongformerForMaskedLM(config, rngs=nnx.Rngs(0))
+  ids = jax.random.randint(jax.random.key(2), (2, 19), 3, 64)
+  logits = model(ids, global_attention_mask=jnp.zeros((2, 19), bool).at[0, 4].set(True)).logits
+  np.testing.assert_allclose(
+      [float(jnp.sum(logits)), float(jnp.sum(jnp.abs(logits))), float(logits[0, 0, 5])],
+      [4.128251075744629, 219.08590698242188, 0.10028688609600067], rtol=1e-6)
 
 
 def test_config_normalises_and_round_trips():
@@ -257,7 +243,7 @@ def test_parameters_carry_logical_axis_names():
 def test_parameters_are_sharded_by_rules_given_from_outside():
   mesh = jax.make_mesh((1,), ("model",), axis_types=(jax.sharding.AxisType.Explicit,))
   rules = (("vocab", "model"), ("mlp", "model"), ("heads", "model"), ("embed", None),
-           ("kv", None))
+           ("kv", None), ("norm", None))
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     model = modeling.LongformerForMaskedLM(small_config(), rngs=nnx.Rngs(0))
   kernel = model.longformer.layers[0].attention.query.kernel[...]

@@ -1,6 +1,9 @@
-"""Orbax save/restore of models: parameters, config and constructor arguments come back."""
+"""Orbax checkpoints: models (parameters, config and constructor arguments come back) and train
+states, whose parameters load without the optimizer state."""
 
 from __future__ import annotations
+
+import shutil
 
 import jax
 import numpy as np
@@ -8,7 +11,10 @@ import pytest
 from flax import nnx
 
 from longformer_jax import checkpoint, modeling
-from longformer_jax.config import LongformerConfig
+from longformer_jax.causal_lm import LongformerForCausalLM
+from longformer_jax.config import CharLMConfig, LongformerConfig
+from longformer_jax.evaluation import evaluate_bpc, evaluate_run
+from longformer_jax.training import Stage, TrainConfig, Trainer, train
 
 CONFIG = LongformerConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3,
                           num_attention_heads=4, intermediate_size=96, max_position_embeddings=40,
@@ -50,3 +56,67 @@ def test_save_refuses_to_overwrite_unless_forced(tmp_path):
     checkpoint.load_model(tmp_path / "nothing")
   with pytest.raises(TypeError, match="has no `config` attribute"):
     checkpoint.save_model(tmp_path / "linear", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Train-state checkpoints: load_params reads the parameters only.
+
+CHAR_MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                          intermediate_size=64, attention_window=(4, 8))
+
+
+def _trained_run(workdir):
+  """A tiny char-LM run of 2 steps with train-state checkpoints at steps 1 and 2."""
+  cfg = TrainConfig(model=CHAR_MODEL, stages=(
+      Stage(seq_len=16, batch_size=4, steps=2, learning_rate=1e-2, windows=(2, 6)),),
+                    eval_every=10_000, checkpoint_every=1, async_checkpoints=False)
+  data = np.random.default_rng(0).integers(0, 256, 2048).astype(np.uint8)
+  train(cfg, workdir, train_data=data, progress=False)
+  return cfg
+
+
+def _assert_same_params(a, b):
+  a, b = nnx.to_pure_dict(a), nnx.to_pure_dict(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_load_params_never_reads_the_optimizer_state(tmp_path):
+  cfg = _trained_run(tmp_path)
+  trainer = Trainer(cfg)
+  manager = checkpoint.checkpoint_manager(tmp_path / "checkpoints")
+  trained = {step: trainer.restore(manager, step)[0].params for step in (1, 2)}
+  # Step 2 loses its optimizer state, step 1's is overwritten with garbage.
+  shutil.rmtree(tmp_path / "checkpoints" / "2" / "opt_state")
+  for f in (tmp_path / "checkpoints" / "1" / "opt_state").rglob("*"):
+    if f.is_file():
+      f.write_bytes(b"not an orbax file")
+  with pytest.raises(Exception):  # noqa: B017: the full train state really is broken now
+    trainer.restore(manager, 1)
+  manager.close()
+
+  target = trainer.abstract_state().params
+  _assert_same_params(checkpoint.load_params(tmp_path, target), trained[2])  # the latest
+  _assert_same_params(checkpoint.load_params(tmp_path / "checkpoints", target, step=1),
+                      trained[1])
+  # The evaluation entry points go through load_params: the run's model with the final windows.
+  data = np.random.default_rng(1).integers(0, 256, 100).astype(np.uint8)
+  result = evaluate_run(tmp_path, data, context=16, stride=8, batch_size=3)
+  expected = evaluate_bpc(trainer.model(trained[2]), data, context=16, stride=8, batch_size=3,
+                          windows=(2, 6))
+  assert result["step"] == 2 and result["windows"] == [2, 6] and result["bytes"] == 100
+  np.testing.assert_allclose(result["bpc"], expected, rtol=1e-6)
+  with pytest.raises(FileNotFoundError, match="no checkpoint of step 7"):
+    checkpoint.load_params(tmp_path, target, step=7)
+
+
+def test_load_params_of_a_model_checkpoint(tmp_path):
+  model = LongformerForCausalLM(CHAR_MODEL, rngs=nnx.Rngs(5))
+  checkpoint.save_model(tmp_path / "ckpt", model)
+  _, abstract, _ = nnx.split(nnx.eval_shape(
+      lambda: LongformerForCausalLM(CHAR_MODEL, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  _assert_same_params(checkpoint.load_params(tmp_path / "ckpt", abstract),
+                      nnx.state(model, nnx.Param))
+  with pytest.raises(FileNotFoundError, match="no checkpoint under"):
+    checkpoint.load_params(tmp_path / "nothing", abstract)

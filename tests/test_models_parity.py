@@ -7,14 +7,19 @@ row. Each test runs with every attention implementation the op offers (`ops.IMPL
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
-import transformers
+from flax import nnx
 
-from hf_testing import BATCH, make_inputs, random_longformer
-from longformer_jax import convert, ops
+_NEEDS = "the HF parity tests compare with PyTorch: pip install -e '.[torch]'"
+torch = pytest.importorskip("torch", reason=_NEEDS)
+transformers = pytest.importorskip("transformers", reason=_NEEDS)
+
+from hf_testing import random_longformer
+from testing import BATCH, make_model_inputs as make_inputs
+from longformer_jax import LongformerConfig, LongformerForMaskedLM, convert, ops
 
 ATOL = 1e-5
 
@@ -88,3 +93,22 @@ def test_multiple_choice_matches_hf():
   theirs, ours = run_both(hf_model, "chunked", inputs)
   assert ours.logits.shape == (1, BATCH)
   assert_close(ours.logits, theirs.logits)
+
+
+def test_presets_match_hf_parameter_counts():
+  """base and large have allenai/longformer-{base,large}-4096's shapes: same parameter count as
+  the HF masked LM built from their config (on torch's meta device: no memory)."""
+  for preset, hf_window in ((LongformerConfig.base(), 512), (LongformerConfig.large(), 512)):
+    assert preset.layer_windows == (256,) * preset.num_hidden_layers
+    assert preset.max_sequence_length == 4096
+    ours = nnx.eval_shape(lambda p=preset: LongformerForMaskedLM(p, rngs=nnx.Rngs(0)))
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(ours, nnx.Param)))
+    hf_config = transformers.LongformerConfig(
+        **{k: getattr(preset, k) for k in ("vocab_size", "hidden_size", "num_hidden_layers",
+                                            "num_attention_heads", "intermediate_size",
+                                            "max_position_embeddings", "type_vocab_size")},
+        attention_window=hf_window)
+    with torch.device("meta"):
+      hf_model = transformers.LongformerForMaskedLM(hf_config)
+    assert count == sum(p.numel() for p in hf_model.parameters())
+  assert LongformerConfig.large().hidden_size == 1024

@@ -1,5 +1,6 @@
-"""Training: golden first steps, learning, exact resume across SIGTERM and stages, accumulation,
-non-finite loss, sharding on 4 simulated devices."""
+"""Training: golden first steps (with and without dropout and accumulation), learning, exact
+resume across SIGTERM and stages, accumulation, non-finite loss, sharding on 4 simulated devices,
+the run config round trip, another task through the same loop."""
 
 import dataclasses
 import json
@@ -10,14 +11,21 @@ import sys
 import textwrap
 from pathlib import Path
 
-import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
-from longformer_jax.causal_lm import CharLMConfig
-from longformer_jax.training import NonFiniteLossError, Stage, TrainConfig, Trainer, train
+from longformer_jax.config import CharLMConfig, LongformerConfig
+from longformer_jax.layers import LOGICAL_AXES
+from longformer_jax.modeling import LongformerForMaskedLM
+from longformer_jax.training import (LOGICAL_RULES, NonFiniteLossError, Stage, Task,
+                                     TrainConfig, Trainer, paper_stages, read_run_config, train,
+                                     write_run_config)
 
-MODEL = CharLMConfig(num_layers=2, hidden=32, num_heads=2, mlp_dim=64, windows=(4, 8))
+MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                     intermediate_size=64, attention_window=(4, 8))
 
 
 def _config(**kw) -> TrainConfig:
@@ -36,28 +44,48 @@ def _bytes(n=4096, seed=0):
 
 def _run(cfg, workdir, data, **kw):
   losses = {}
-  summary = train(cfg, workdir, train_data=data, progress=False,
+  if data is not None:
+    kw["train_data"] = data
+  summary = train(cfg, workdir, progress=False,
                   step_hook=lambda step, m: losses.__setitem__(step, m["loss"]), **kw)
   return summary, losses
+
+
+def _golden_steps(cfg, num_steps):
+  """[loss, grad_norm] of each of `num_steps` steps on one fixed batch."""
+  trainer = Trainer(cfg)
+  state = trainer.init_state()
+  tokens = _bytes(4 * 17).reshape(4, 17).astype(np.int32)
+  batch = trainer.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, 4)
+  step = trainer.train_step(0)
+  out = []
+  for _ in range(num_steps):
+    state, m = step(state, batch)
+    out += [float(m["loss"]), float(m["grad_norm"])]
+  assert int(state.step) == num_steps
+  return out
 
 
 def test_golden_first_steps():
   """Hard-coded reference: catches silent changes to init, the optimizer, the loss or data."""
   cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=2, learning_rate=1e-2),))
-  trainer = Trainer(cfg)
-  state = trainer.init_state()
-  tokens = _bytes(4 * 17).reshape(4, 17).astype(np.int32)
-  x, y = trainer.global_batch(tokens[:, :-1], 4), trainer.global_batch(tokens[:, 1:], 4)
-  step = trainer.train_step(0)
-  state, m1 = step(state, x, y)
-  state, m2 = step(state, x, y)
-  np.testing.assert_allclose(
-      [float(m1["loss"]), float(m1["grad_norm"]), float(m2["loss"])],
-      GOLDEN, rtol=2e-5)
-  assert int(state.step) == 2
+  np.testing.assert_allclose(_golden_steps(cfg, 2)[:3], GOLDEN, rtol=2e-5)
 
 
 GOLDEN = [5.563892364501953, 1.2804957628250122, 5.275964260101318]
+
+
+def test_golden_steps_with_dropout_and_accumulation():
+  """Pins the dropout keys (fold_in(seed, step), then fold_in(., microbatch)) and the
+  accumulation; recorded before the training code was split into a package."""
+  cfg = _config(model=dataclasses.replace(MODEL, hidden_dropout_prob=0.1), microbatch_size=2,
+                stages=(Stage(seq_len=16, batch_size=4, steps=3, learning_rate=1e-2,
+                              warmup_steps=1),))
+  np.testing.assert_allclose(_golden_steps(cfg, 3), GOLDEN_DROPOUT, rtol=2e-5)
+
+
+GOLDEN_DROPOUT = [5.559170246124268, 1.2821565866470337, 5.561490058898926, 1.4688578844070435,
+                  5.309150695800781, 1.140488624572754]
 
 
 def test_loss_falls_on_a_tiny_corpus(tmp_path):
@@ -119,12 +147,13 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
 _MULTI_DEVICE = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
-    from longformer_jax.causal_lm import CharLMConfig
+    from longformer_jax.config import CharLMConfig
     from longformer_jax.evaluation import evaluate_bpc
     from longformer_jax.training import Stage, TrainConfig, Trainer, make_mesh
     assert jax.device_count() == 4, jax.devices()
-    cfg = TrainConfig(model=CharLMConfig(num_layers=2, hidden=32, num_heads=2, mlp_dim=64,
-                                         windows=(4, 8)),
+    cfg = TrainConfig(model=CharLMConfig(num_hidden_layers=2, hidden_size=32,
+                                         num_attention_heads=2, intermediate_size=64,
+                                         attention_window=(4, 8)),
                       stages=(Stage(seq_len=16, batch_size=8, steps=3, learning_rate=1e-2),),
                       microbatch_size=4)
     tokens = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
@@ -136,8 +165,8 @@ _MULTI_DEVICE = textwrap.dedent("""
       step = trainer.train_step(0)
       losses = []
       for _ in range(3):
-        state, m = step(state, trainer.global_batch(tokens[:, :-1], 8),
-                        trainer.global_batch(tokens[:, 1:], 8))
+        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+        state, m = step(state, trainer.global_batch(batch, 8))
         losses.append(float(m["loss"]))
       emb = state.params["embed"]["embedding"]
       out[str(shape)] = {"losses": losses, "emb_shards": len(emb.addressable_shards),
@@ -173,8 +202,89 @@ def test_config_errors_name_the_bad_value():
   with pytest.raises(ValueError, match="not a multiple of microbatch_size=3"):
     _config(microbatch_size=3)
   with pytest.raises(ValueError, match=r"stages\[0\].windows has 1 entries"):
-    _config(stages=(Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0, windows=(3,)),))
+    Trainer(_config(stages=(Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0,
+                                  windows=(3,)),)))
+  with pytest.raises(ValueError, match="attention_window of layer 1 must be an int >= 1"):
+    Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0, windows=(3, 0))
   with pytest.raises(ValueError, match="Stage.warmup_steps"):
     Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0, warmup_steps=2)
   with pytest.raises(ValueError, match="does not use the 1 devices"):
     Trainer(_config(mesh_shape=(2, 1)))
+  with pytest.raises(ValueError, match="trains a CharLMConfig model, got LongformerConfig"):
+    Trainer(_config(model=LongformerConfig(num_hidden_layers=2, hidden_size=32,
+                                           num_attention_heads=2, intermediate_size=64)))
+
+
+def test_logical_rules_cover_every_parameter_axis():
+  assert set(LOGICAL_AXES) | {"batch"} == {name for name, _ in LOGICAL_RULES}
+
+
+def test_run_config_round_trip(tmp_path):
+  cfg = _config(model=CharLMConfig.small(), stages=paper_stages(CharLMConfig.small()),
+                microbatch_size=16, mesh_shape=(-1, 4),
+                final_eval=dict(split="test", context=512, stride=256))
+  write_run_config(tmp_path, cfg)
+  record = json.loads((tmp_path / "run_config.json").read_text())
+  assert record["model_config_class"] == "CharLMConfig"
+  assert record["model"]["dtype"] == "bfloat16"
+  assert read_run_config(tmp_path) == cfg
+
+
+class _MaskedLMTask(Task):
+  """A second task through the same loop, sharding and checkpoints: masked-token prediction with
+  `LongformerForMaskedLM`, whose dropout layers keep RNG streams (non-parameter state)."""
+
+  def build_model(self, config, rngs):
+    return LongformerForMaskedLM(config, rngs=rngs)
+
+  def loss(self, model, batch, stage, dropout_key):
+    nnx.reseed(model, dropout=dropout_key)
+    logits = model(batch["input_ids"]).logits
+    nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
+    return jnp.sum(nll * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+
+  def batches(self, cfg, stage_index, *, process_index, process_count):
+    return _MaskedBatches(cfg.seed + stage_index, cfg.stages[stage_index])
+
+
+class _MaskedBatches:
+  """Random token rows, 25% of them masked (id 3); a function of (seed, step)."""
+
+  def __init__(self, seed, stage):
+    self.seed, self.stage, self.step = seed, stage, 0
+
+  def __next__(self):
+    rng = np.random.default_rng((self.seed, self.step))
+    self.step += 1
+    labels = rng.integers(4, 32, (self.stage.batch_size, self.stage.seq_len)).astype(np.int32)
+    masked = rng.random(labels.shape) < 0.25
+    return {"input_ids": np.where(masked, 3, labels).astype(np.int32), "labels": labels,
+            "weights": masked.astype(np.float32)}
+
+  def state(self):
+    return {"step": self.step}
+
+  def load_state(self, state):
+    self.step = int(state["step"])
+
+
+def test_another_task_reuses_the_loop_and_resumes_exactly(tmp_path):
+  model = LongformerConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2,
+                           num_attention_heads=2, intermediate_size=32,
+                           max_position_embeddings=40, attention_window=4)
+  cfg = _config(model=model, microbatch_size=2,
+                stages=(Stage(seq_len=16, batch_size=4, steps=4, learning_rate=1e-2),))
+  full, losses_full = _run(cfg, tmp_path / "a", None, task=_MaskedLMTask())
+  assert full["status"] == "done" and sorted(losses_full) == [1, 2, 3, 4]
+
+  def preempt(step, _):
+    if step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  losses = {}
+  summary = train(cfg, tmp_path / "b", progress=False, task=_MaskedLMTask(),
+                  step_hook=lambda s, m: (losses.__setitem__(s, m["loss"]), preempt(s, m)))
+  assert summary["status"] == "preempted" and summary["step"] == 3
+  _, losses_b = _run(cfg, tmp_path / "b", None, task=_MaskedLMTask())
+  assert {**losses, **losses_b} == losses_full  # bit-identical, dropout included
+  assert read_run_config(tmp_path / "b").model == model

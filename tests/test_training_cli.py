@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 from longformer_jax.training import TrainConfig
@@ -33,19 +34,22 @@ def test_overrides_walk_dataclasses_tuples_and_dicts():
   cfg = load_config(str(CONFIGS / "char_small.py"))
   # Shortening a stage below its warm-up (10K steps in phase 1) needs the warm-up set too.
   cfg = apply_overrides(cfg, ["stages.0.warmup_steps=300", "stages.0.steps=3000",
-                              "stages.-1.batch_size=32", "model.dropout=0.3", "dataset=text8",
+                              "stages.-1.batch_size=32", "model.hidden_dropout_prob=0.3",
+                              "model.dtype=float32", "dataset=text8",
                               "final_eval.context=4096", "mesh_shape=[2, 4]"])
   assert cfg.stages[0].steps == 3000 and cfg.stages[0].warmup_steps == 300
   assert cfg.stages[4].batch_size == 32
-  assert cfg.model.dropout == 0.3 and cfg.dataset == "text8"
+  assert cfg.model.hidden_dropout_prob == 0.3 and cfg.dataset == "text8"
+  assert cfg.model.dtype == jnp.float32
   assert cfg.final_eval["context"] == 4096 and cfg.mesh_shape == (2, 4)
 
 
 @pytest.mark.parametrize("assignment, match", [
     ("model.hiden=3", "unknown field 'hiden'"),
     ("stages.9.steps=1", "index '9' is not in a tuple of length 5"),
-    ("model.dropout", "expects path=value"),
-    ("model.num_heads=7", "not divisible by num_heads=7"),
+    ("model.hidden_dropout_prob", "expects path=value"),
+    ("model.num_attention_heads=7", "not a multiple of num_attention_heads=7"),
+    ("model.dropout=0.1", "unknown field 'dropout'"),
 ])
 def test_bad_overrides_name_the_problem(assignment, match):
   with pytest.raises(ValueError, match=match):

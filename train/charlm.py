@@ -17,7 +17,6 @@ import ast
 import dataclasses
 import importlib.util
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -92,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
   from longformer_jax import training  # pylint: disable=g-import-not-at-top
+  from longformer_jax.io import atomic_write  # pylint: disable=g-import-not-at-top
   training.maybe_initialize_distributed(args.distributed)
 
   cfg = apply_overrides(load_config(args.config), args.set)
@@ -100,33 +100,30 @@ def main(argv: list[str] | None = None) -> int:
   if is_main:
     print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
     print(f"workdir: {workdir}")
+  mesh = training.make_mesh(cfg.mesh_shape)
   start = time.perf_counter()
-  summary = training.train(cfg, workdir, progress=not args.no_progress)
+  summary = training.train(cfg, workdir, mesh=mesh, progress=not args.no_progress)
   train_minutes = (time.perf_counter() - start) / 60
   if summary["status"] != "done":
     return 0  # preempted: the checkpoint is saved; rerun the same command to resume
   results = {"config": args.config, "overrides": args.set, "steps": summary["step"],
-             "final_train_loss": summary["last_loss"], "valid_bpc": summary["valid_bpc"],
+             "final_train_loss": summary["last_loss"], "valid_bpc": summary.get("valid_bpc"),
              "train_minutes_this_run": round(train_minutes, 2)}
   if cfg.final_eval is not None and not args.skip_final_eval:
-    from longformer_jax.data import load_split  # pylint: disable=g-import-not-at-top
-    from longformer_jax.evaluation import evaluate_bpc  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from longformer_jax.data import load_split
+    from longformer_jax.evaluation import describe, evaluate_run
+    # pylint: enable=g-import-not-at-top
     eval_args = dict(cfg.final_eval)
     split = eval_args.pop("split", "test")
-    model = training.load_params(workdir, cfg)
     data = load_split(cfg.dataset, split, cfg.data_dir)
-    start = time.perf_counter()
-    bpc = evaluate_bpc(model, data, windows=cfg.stage_windows(len(cfg.stages) - 1),
-                       progress=not args.no_progress, **eval_args)
-    results.update({f"{split}_bpc": bpc, "eval": {"split": split, **eval_args},
-                    "eval_minutes": round((time.perf_counter() - start) / 60, 2)})
+    result = evaluate_run(workdir, data, mesh=mesh, progress=not args.no_progress, **eval_args)
+    results.update({f"{split}_bpc": result["bpc"],
+                    "eval": {"dataset": cfg.dataset, "split": split, **result}})
     if is_main:
-      print(f"{cfg.dataset} {split} BPC ({eval_args.get('protocol', 'sliding')}, context "
-            f"{eval_args.get('context')}, stride {eval_args.get('stride')}): {bpc:.4f}")
+      print(f"{cfg.dataset} {split}: {describe(result)}")
   if is_main:
-    tmp = workdir / f".results.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(results, indent=2) + "\n")
-    tmp.replace(workdir / "results.json")
+    atomic_write(workdir / "results.json", json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))
   return 0
 

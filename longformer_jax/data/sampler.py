@@ -6,11 +6,11 @@ setting the step (`load_state`), and a checkpoint needs only `state()`: a dict o
 
 Epochs. The stream of N tokens is cut into W = (N - seq_len) // seq_len windows of
 `seq_len + 1` tokens (inputs and their next-token targets), window i starting at
-`shift + i * seq_len`. With `shuffle=True` every epoch draws its own `shift` in [0, seq_len), so
-epochs cut the text at different places, and its own window order; with `shuffle=False` the
-windows come in stream order from shift 0 (for validation loss). A global batch takes the next
-`global_batch_size` windows of the epoch's order; the W % global_batch_size windows left at the
-end of an epoch are skipped in that epoch.
+`shift + i * seq_len`. Every epoch draws its own `shift` in [0, seq_len), so epochs cut the text
+at different places, and its own window order. A global batch takes the next `global_batch_size`
+windows of the epoch's order; the W % global_batch_size windows left at the end of an epoch are
+skipped in that epoch. (Validation scores the split in stream order with
+`longformer_jax.evaluation`, not with a sampler.)
 
 Processes. Process p of P receives rows [p * b, (p + 1) * b) of each global batch, b =
 global_batch_size / P: a contiguous block, the layout `jax.make_array_from_process_local_data`
@@ -30,7 +30,7 @@ import numpy as np
 
 __all__ = ["BatchSampler"]
 
-_STATE_KEYS = ("step", "seed", "seq_len", "global_batch_size", "num_tokens", "shuffle")
+_STATE_KEYS = ("step", "seed", "seq_len", "global_batch_size", "num_tokens")
 
 
 class BatchSampler(Iterator[tuple[np.ndarray, np.ndarray]]):
@@ -59,7 +59,6 @@ class BatchSampler(Iterator[tuple[np.ndarray, np.ndarray]]):
       seq_len: tokens per input row.
       global_batch_size: rows per step summed over all processes.
       seed: non-negative int < 2**64 choosing shifts and orders.
-      shuffle: False gives windows in stream order with shift 0, every epoch the same.
       process_index: this process (e.g. `jax.process_index()`).
       process_count: number of processes sharing each global batch.
     """
@@ -71,7 +70,6 @@ class BatchSampler(Iterator[tuple[np.ndarray, np.ndarray]]):
         seq_len: int,
         global_batch_size: int,
         seed: int = 0,
-        shuffle: bool = True,
         process_index: int = 0,
         process_count: int = 1,
     ):
@@ -101,7 +99,6 @@ class BatchSampler(Iterator[tuple[np.ndarray, np.ndarray]]):
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.seed = seed
-        self.shuffle = shuffle
         self.process_index = process_index
         self.process_count = process_count
         self.num_windows = num_windows
@@ -113,8 +110,6 @@ class BatchSampler(Iterator[tuple[np.ndarray, np.ndarray]]):
 
     def _epoch_starts(self, epoch: int) -> np.ndarray:
         """Start positions of all windows of `epoch`, in the order the epoch serves them."""
-        if not self.shuffle:
-            return np.arange(self.num_windows) * self.seq_len
         if self._cached_epoch is None or self._cached_epoch[0] != epoch:
             raw = np.random.Philox(key=(self.seed << 64) | epoch).random_raw(self.num_windows + 1)
             shift = int(raw[0] % np.uint64(self.seq_len))
@@ -154,7 +149,6 @@ class BatchSampler(Iterator[tuple[np.ndarray, np.ndarray]]):
             "seq_len": self.seq_len,
             "global_batch_size": self.global_batch_size,
             "num_tokens": len(self._data),
-            "shuffle": int(self.shuffle),
         }
 
     def load_state(self, state: Mapping[str, int | np.integer | np.ndarray]) -> None:

@@ -1,4 +1,5 @@
-"""char_small on enwik8: the paper's 12-layer model and 5-stage schedule (TPU VM or GPUs).
+"""char_small on enwik8: the paper's 12-layer model (`CharLMConfig.small()`) and 5-stage schedule
+(TPU VM or GPUs).
 
 Command, on every host of a TPU VM slice (see docs/charlm.md for the gcloud launch):
 
@@ -14,12 +15,12 @@ size (with relative sinusoidal positions; this code uses rotary ones). Not yet r
 this code: the schedule is ~570K steps of 32 x 2K-23K tokens.
 """
 
-from longformer_jax import causal_lm
+from longformer_jax.config import CharLMConfig
 from longformer_jax.training import TrainConfig, paper_stages
 
 
 def get_config() -> TrainConfig:
-  model = causal_lm.char_small()
+  model = CharLMConfig.small()
   return TrainConfig(
       model=model,
       dataset="enwik8",

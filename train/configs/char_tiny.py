@@ -1,4 +1,5 @@
-"""char_tiny on enwik8_sample: the CPU demo (bundled data, no download, 2 cores).
+"""char_tiny on enwik8_sample: the CPU demo (`CharLMConfig.tiny()`; bundled data, no download,
+2 cores).
 
 Command (from the repository root):
 
@@ -12,12 +13,12 @@ for the same test split, given its training part, is 2.14 bpc. Writes
 runs/char_tiny/{metrics.jsonl,tensorboard/,curves.png,checkpoints/,results.json}.
 """
 
-from longformer_jax import causal_lm
+from longformer_jax.config import CharLMConfig
 from longformer_jax.training import Stage, TrainConfig
 
 
 def get_config() -> TrainConfig:
-  model = causal_lm.char_tiny()
+  model = CharLMConfig.tiny()
   return TrainConfig(
       model=model,
       dataset="enwik8_sample",

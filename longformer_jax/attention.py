@@ -1,0 +1,119 @@
+"""`LongformerSelfAttention`: the one attention module of every model here.
+
+One module serves the HF-compatible encoder (bidirectional band, global tokens with their own
+projections, learned positions added outside) and the character LM (causal band, rotary
+positions, no global projections), the way one attention module serves global and sliding
+layers in flax's gemma. LED's encoder reuses it as the encoder does.
+
+Projections: `query, key, value` serve the band; `query_global, key_global, value_global` (when
+`global_projections`) serve global tokens (paper §3.1, "Linear Projections for Global
+Attention"); `output` maps the heads back to the hidden width. Semantics: docs/design.md §1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from longformer_jax import ops
+from longformer_jax.layers import Initializer, dense, rotary
+
+_ATTENTIONS = ("band", "full")
+
+
+class LongformerSelfAttention(nnx.Module):
+  """Sliding-window + global self-attention, output projection included.
+
+  Args:
+    hidden_size, num_heads: E and H (head_dim D = E / H).
+    window: one-sided window (a call may override it: the char LM's schedule grows windows).
+    dilation: an int, or one int per head.
+    causal: a causal band (then no global tokens).
+    impl: the op's implementation ("auto", "reference", "chunked", "pallas").
+    global_projections: create `query_global, key_global, value_global`; without them the module
+      takes no global mask.
+    rope_base: apply rotary positions with this base to queries and keys (None: none).
+    attention: "band", or "full" (dense attention through `jax.nn.dot_product_attention`, causal
+      when `causal`: a baseline that ignores window and dilation).
+    kernel_init: initialiser of the q/k/v (and global) projections; output_init: of `output`
+      (default: kernel_init).
+  """
+
+  def __init__(self, hidden_size: int, num_heads: int, *, window: int,
+               dilation: int | Sequence[int] = 1, causal: bool = False, impl: str = "auto",
+               global_projections: bool = True, rope_base: float | None = None,
+               attention: str = "band", kernel_init: Initializer = nnx.initializers.normal(0.02),
+               output_init: Initializer | None = None, dtype=None, param_dtype=jnp.float32,
+               rngs: nnx.Rngs):
+    if hidden_size % num_heads:
+      raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
+    if attention not in _ATTENTIONS:
+      raise ValueError(f"attention must be one of {_ATTENTIONS}, got {attention!r}")
+    head_dim = hidden_size // num_heads
+    self.window = window
+    dilation = (dilation,) * num_heads if isinstance(dilation, int) else tuple(dilation)
+    if len(dilation) != num_heads:
+      raise ValueError(f"dilation has {len(dilation)} entries for {num_heads} heads: {dilation}")
+    # One int when every head agrees: the op then runs all heads as one group.
+    self.dilation = dilation[0] if len(set(dilation)) == 1 else dilation
+    self.causal = causal
+    self.impl = impl
+    self.rope_base = rope_base
+    self.attention = attention
+    init = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    in_axes = ("embed", "heads", "kv")
+    qkv = lambda: dense(hidden_size, (num_heads, head_dim), in_axes, init=kernel_init, **init)
+    self.query, self.key, self.value = qkv(), qkv(), qkv()
+    no_globals = (None, None, None)
+    self.query_global, self.key_global, self.value_global = (
+        (qkv(), qkv(), qkv()) if global_projections else no_globals)
+    self.output = dense((num_heads, head_dim), hidden_size, ("heads", "kv", "embed"),
+                        init=kernel_init if output_init is None else output_init, **init)
+
+  def _project(self, q_proj, k_proj, v_proj, hidden_BxNxE):
+    q_BxNxHxD, k_BxNxHxD = q_proj(hidden_BxNxE), k_proj(hidden_BxNxE)
+    if self.rope_base is not None:
+      q_BxNxHxD, k_BxNxHxD = rotary(q_BxNxHxD, self.rope_base), rotary(k_BxNxHxD, self.rope_base)
+    return q_BxNxHxD, k_BxNxHxD, v_proj(hidden_BxNxE)
+
+  def __call__(self, hidden_BxNxE: jax.Array, attention_mask_BxN: jax.Array | None = None,
+               global_mask_BxN: jax.Array | None = None, *, window: int | None = None,
+               max_global: int | None = None, output_attentions: bool = False):
+    """Returns (output [B,N,E], probabilities [B,H,N,N] float32 if output_attentions else None).
+
+    attention_mask: True for real tokens (None: all real). global_mask: True for global tokens,
+    or None (then the global projections are not computed). window: this call's one-sided
+    window (None: the module's). max_global: static bound on global tokens per row, needed by
+    the op when global_mask is traced (see `ops.longformer_attention`). output_attentions runs
+    the dense O(N^2) reference attention: for inspecting small inputs.
+    """
+    q_BxNxHxD, k_BxNxHxD, v_BxNxHxD = self._project(self.query, self.key, self.value,
+                                                    hidden_BxNxE)
+    global_qkv = None
+    if global_mask_BxN is not None:
+      if self.query_global is None:
+        raise ValueError("a global_mask was given to an attention built without global "
+                         "projections (global_projections=False)")
+      global_qkv = self._project(self.query_global, self.key_global, self.value_global,
+                                 hidden_BxNxE)
+    probs_BxHxNxN = None
+    if self.attention == "full":
+      if global_mask_BxN is not None or output_attentions:
+        raise ValueError("attention='full' takes no global_mask and no output_attentions")
+      mask = None if attention_mask_BxN is None else attention_mask_BxN[:, None, None, :]
+      out_BxNxHxD = jax.nn.dot_product_attention(q_BxNxHxD, k_BxNxHxD, v_BxNxHxD, mask=mask,
+                                                 is_causal=self.causal)
+      return self.output(out_BxNxHxD), None
+    args = dict(window=self.window if window is None else window, dilation=self.dilation,
+                causal=self.causal, attention_mask=attention_mask_BxN,
+                global_mask=global_mask_BxN, global_qkv=global_qkv)
+    if output_attentions:
+      out_BxNxHxD, probs_BxHxNxN = ops.longformer_attention_reference(
+          q_BxNxHxD, k_BxNxHxD, v_BxNxHxD, **args, return_probs=True)
+    else:
+      out_BxNxHxD = ops.longformer_attention(q_BxNxHxD, k_BxNxHxD, v_BxNxHxD, **args,
+                                             impl=self.impl, max_global=max_global)
+    return self.output(out_BxNxHxD), probs_BxHxNxN

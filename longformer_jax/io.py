@@ -1,0 +1,19 @@
+"""File writing shared by the training, evaluation and entry-point code."""
+
+from __future__ import annotations
+
+import os
+
+from etils import epath
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
+  """Writes `data` (text is UTF-8) to a temporary sibling, then renames it over `path`, so readers
+  never see half a file. `path` may be local or any etils `epath` path (gs://...)."""
+  path = epath.Path(path)
+  tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
+  if isinstance(data, str):
+    tmp.write_text(data, encoding="utf-8")
+  else:
+    tmp.write_bytes(data)
+  tmp.replace(path)

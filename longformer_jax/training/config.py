@@ -1,0 +1,204 @@
+"""What a training run is: `Stage`s of a schedule, the `TrainConfig`, the paper's char-LM stages,
+and the run config JSON (`<workdir>/run_config.json`) that rebuilds the config from a workdir."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from etils import epath
+
+from longformer_jax import config as model_configs
+from longformer_jax.config import CharLMConfig, check_windows
+from longformer_jax.io import atomic_write
+from longformer_jax.training.sharding import LOGICAL_RULES
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One phase of the staged schedule.
+
+  seq_len: tokens per training sequence; batch_size: sequences per optimizer step (global);
+  steps: optimizer steps in this stage; learning_rate: peak (and constant) rate of the stage;
+  end_learning_rate: if set, cosine decay from learning_rate to it over the stage;
+  warmup_steps: linear warm-up from 0 at the start of the stage;
+  windows: per-layer one-sided attention windows for this stage (None: the model config's).
+  """
+  seq_len: int
+  batch_size: int
+  steps: int
+  learning_rate: float
+  end_learning_rate: float | None = None
+  warmup_steps: int = 0
+  windows: tuple[int, ...] | None = None
+
+  def __post_init__(self):
+    for name in ("seq_len", "batch_size", "steps"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"Stage.{name} must be >= 1, got {getattr(self, name)}")
+    if self.learning_rate <= 0:
+      raise ValueError(f"Stage.learning_rate must be > 0, got {self.learning_rate}")
+    if not 0 <= self.warmup_steps <= self.steps:
+      raise ValueError(f"Stage.warmup_steps must be in [0, steps={self.steps}], "
+                       f"got {self.warmup_steps}")
+    if self.windows is not None:
+      object.__setattr__(self, "windows", check_windows(self.windows, len(self.windows)))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Everything `train` needs. Config files in train/configs/ build one with `get_config()`.
+
+  model: the model's config (any config class of `longformer_jax.config`; the task checks that
+    it is one it can train, e.g. `CharLMConfig` for the char LM).
+  mesh_shape: (data, fsdp) device counts; -1 takes the devices left over.
+  microbatch_size: sequences per gradient-accumulation step (global); None: no accumulation.
+  eval_tokens: validation tokens scored at each evaluation; None: the whole split.
+  final_eval: keyword arguments of the evaluation that the entry point runs after training
+    (train/charlm.py: `evaluation.evaluate_run`'s, plus `split`); None: skip it.
+  """
+  model: Any
+  stages: tuple[Stage, ...]
+  dataset: str = "enwik8"
+  data_dir: str | None = None
+  seed: int = 0
+  weight_decay: float = 0.01
+  clip_norm: float = 1.0
+  adam_b1: float = 0.9
+  adam_b2: float = 0.98
+  adam_eps: float = 1e-8
+  microbatch_size: int | None = None
+  mesh_shape: tuple[int, int] = (-1, 1)
+  logical_rules: tuple[tuple[str, Any], ...] = LOGICAL_RULES
+  log_every: int = 1
+  eval_every: int = 500
+  eval_tokens: int | None = 65_536
+  eval_batch_size: int = 8
+  checkpoint_every: int = 1000
+  keep_checkpoints: int = 2
+  async_checkpoints: bool = True
+  final_eval: dict[str, Any] | None = None
+
+  def __post_init__(self):
+    if not self.stages:
+      raise ValueError("TrainConfig.stages is empty: give at least one Stage")
+    for i, stage in enumerate(self.stages):
+      if self.microbatch_size is not None and stage.batch_size % self.microbatch_size:
+        raise ValueError(f"stages[{i}].batch_size={stage.batch_size} is not a multiple of "
+                         f"microbatch_size={self.microbatch_size}")
+    if len(self.mesh_shape) != 2 or any(d == 0 or d < -1 for d in self.mesh_shape):
+      raise ValueError(f"mesh_shape must be (data, fsdp) with positive sizes or -1, "
+                       f"got {self.mesh_shape}")
+    for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+  @property
+  def total_steps(self) -> int:
+    return sum(s.steps for s in self.stages)
+
+  def stage_starts(self) -> list[int]:
+    return [sum(s.steps for s in self.stages[:i]) for i in range(len(self.stages))]
+
+  def stage_at(self, step: int) -> int:
+    """Index of the stage that runs global step `step` (the last stage past the end)."""
+    for i, start in enumerate(self.stage_starts()):
+      if step < start + self.stages[i].steps:
+        return i
+    return len(self.stages) - 1
+
+  def stage_windows(self, i: int) -> tuple[int, ...]:
+    """The per-layer windows of stage `i` (-1: the last): its own, else the model config's."""
+    return self.stages[i].windows or self.model.layer_windows
+
+
+# Paper Appendix B, Table 12, "#Steps per phase (small)" and "(large)". The appendix says each
+# count is where that phase's validation BPC stopped improving, not a fixed budget.
+PAPER_STEPS_SMALL = (430_000, 50_000, 50_000, 35_000, 5_000)
+PAPER_STEPS_LARGE = (350_000, 25_000, 10_000, 5_000, 5_000)
+
+
+def paper_stages(model: CharLMConfig, *, first_seq_len: int = 2048, last_seq_len: int = 23_040,
+                 first_lr: float = 2.5e-4, batch_sizes: Sequence[int] = (32, 32, 16, 16, 16),
+                 steps: Sequence[int] | None = None, warmup_fraction: float = 0.1,
+                 max_warmup_steps: int = 10_000) -> tuple[Stage, ...]:
+  """The paper's 5 phases (paper §4.2 and Appendix B, Table 12).
+
+  §4.2: each phase doubles the window sizes and the sequence length and halves the learning
+  rate, from 2,048 tokens to 23,040 in phase 5 (Table 12: "gpu memory limit", so the doubling
+  is capped there). Table 12: phase-1 LR 0.00025 (phase 5: 0.000015625 = 2.5e-4 / 2**4), batch
+  sizes 32, 32, 16, 16, 16, steps `PAPER_STEPS_SMALL` or, for a 30-layer model,
+  `PAPER_STEPS_LARGE` (when `steps` is None), warm-up "10% of the phase steps with maximum 10K
+  steps", LR constant within each phase. Table 12 does not say whether phases 2-5 warm up too;
+  "of the phase steps" is read here as every phase (10K, 5K, 5K, 3.5K, 500 steps for small).
+
+  Windows start at the model config's (32 -> 512 bottom to top for CharLMConfig.small/large, as
+  in §4.2.2 and Table 4) and reach 512 -> 8,192 in phase 5. Table 12 itself prints "32 (bottom
+  layer) - 8,192 (top layer)" for phase 1 and leaves phase 5's top value blank; 8,192 is the
+  phase-5 top under the doubling rule (and larger than the 2,048-token phase-1 sequence), so
+  that row is taken as misplaced. Phases 2-4 lengths/windows are not listed; they follow §4.2.
+  """
+  if steps is None:
+    steps = PAPER_STEPS_LARGE if model.num_hidden_layers == 30 else PAPER_STEPS_SMALL
+  if len(batch_sizes) != len(steps):
+    raise ValueError(f"batch_sizes {tuple(batch_sizes)} and steps {tuple(steps)} differ in length")
+  stages = []
+  for i, (batch, n) in enumerate(zip(batch_sizes, steps)):
+    seq = min(first_seq_len * 2**i, last_seq_len)
+    stages.append(Stage(
+        seq_len=seq, batch_size=batch, steps=n, learning_rate=first_lr / 2**i,
+        warmup_steps=min(int(warmup_fraction * n), max_warmup_steps),
+        windows=tuple(min(w * 2**i, seq) for w in model.layer_windows)))
+  return tuple(stages)
+
+
+# ----------------------------------------------------------------------------------------------
+# <workdir>/run_config.json
+
+RUN_CONFIG = "run_config.json"
+
+
+def write_run_config(workdir: str | os.PathLike, cfg: TrainConfig) -> None:
+  """<workdir>/run_config.json: the whole config, so that evaluation rebuilds the run's model.
+
+  The model config is stored with `to_dict()` and the name of its class in
+  `longformer_jax.config` (`model_config_class`); `read_run_config` inverts this.
+  """
+  record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+  record["model_config_class"] = type(cfg.model).__name__
+  record["model"] = cfg.model.to_dict()
+  record["stages"] = [dataclasses.asdict(s) for s in cfg.stages]
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  atomic_write(workdir / RUN_CONFIG, json.dumps(record, indent=2) + "\n")
+
+
+def read_run_config(workdir: str | os.PathLike) -> TrainConfig:
+  """The `TrainConfig` of <workdir>/run_config.json (written by `train`)."""
+  path = epath.Path(workdir) / RUN_CONFIG
+  if not path.exists():
+    raise FileNotFoundError(f"{path} not found: is {workdir} a training workdir?")
+  record = json.loads(path.read_text())
+  name = record.pop("model_config_class")
+  config_class = getattr(model_configs, name, None)
+  if not (isinstance(config_class, type)
+          and issubclass(config_class, model_configs.TransformerConfig)):
+    raise ValueError(f"{path}: model_config_class={name!r} is not a config class of "
+                     "longformer_jax.config")
+  model = config_class.from_dict(record.pop("model"))
+  final_eval = record.pop("final_eval")
+  record = _tuples(record)
+  record["stages"] = tuple(Stage(**s) for s in record["stages"])
+  return TrainConfig(model=model, final_eval=final_eval, **record)
+
+
+def _tuples(x):
+  """JSON lists back to the tuples the frozen configs hold."""
+  if isinstance(x, list):
+    return tuple(_tuples(v) for v in x)
+  if isinstance(x, dict):
+    return {k: _tuples(v) for k, v in x.items()}
+  return x

@@ -1,0 +1,353 @@
+"""Staged, mesh-sharded training of any model a `Task` describes, with exact Orbax resume.
+
+The loop in one paragraph (`train`):
+  1. Mesh (data, fsdp) from the config; parameter shardings from the model's logical axis names
+     and `TrainConfig.logical_rules`; the batch is split over both axes.
+  2. Resume order: the latest checkpoint under `<workdir>/checkpoints` gives the train state
+     (float32 params and optimizer state restored straight into their shardings; the step) and
+     the metadata (stage, the stage's batch iterator state). Without one, parameters are
+     initialised already sharded (jit with out_shardings), never materialised on one device.
+  3. For each stage from the current one: the task's batch iterator for the stage, moved to the
+     stage-local step (`load_state`); one jit-compiled step per stage (sequence length and
+     windows are static shapes); the state is donated.
+  4. Every step: the loss reaches the host (progress bar, JSONL, TensorBoard); a non-finite
+     loss stops the run *before* anything is saved (`NonFiniteLossError`), so the last
+     checkpoint stays the last good one. The task's validation metrics every `eval_every` steps
+     and at the end. Checkpoints every `checkpoint_every` steps, at stage ends and at the end,
+     asynchronously; SIGTERM (a preempted TPU VM) saves and returns.
+
+Everything random is a function of (seed, step): initialisation, the batches (the task's
+iterators are) and the dropout keys (`fold_in(seed, step)`, then `fold_in(., microbatch)`), so a
+resumed run computes bit-identical losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from etils import epath
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from longformer_jax import checkpoint
+from longformer_jax.training.charlm import CharLMTask
+from longformer_jax.training.config import Stage, TrainConfig, write_run_config
+from longformer_jax.training.metrics import MetricsLog, plot_curves
+from longformer_jax.training.schedule import learning_rate_schedule, make_optimizer
+from longformer_jax.training.sharding import batch_sharding, make_mesh, param_shardings
+from longformer_jax.training.task import Task
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss became NaN or inf; nothing was saved after the last good checkpoint."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+  step: jax.Array       # int32 scalar: optimizer steps taken
+  params: Any           # nnx.State of the float32 nnx.Param master weights
+  opt_state: Any
+
+
+class Trainer:
+  """The pieces `train` assembles, usable on their own (tests, notebooks): mesh, shardings,
+  initial state, one jitted step per stage, checkpoint save/restore.
+
+  task: the model-specific part (default: the char LM, `CharLMTask()`).
+  """
+
+  def __init__(self, cfg: TrainConfig, mesh: Mesh | None = None, task: Task | None = None):
+    self.cfg = cfg
+    self.task = CharLMTask() if task is None else task
+    self.task.check(cfg)
+    self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh_shape)
+    self.optimizer = make_optimizer(cfg)
+    self._build = lambda: self.task.build_model(cfg.model, nnx.Rngs(cfg.seed))
+    self.graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(self._build), nnx.Param, ...)
+    self.param_shardings = param_shardings(abstract_params, self.mesh, cfg.logical_rules)
+    self.replicated = NamedSharding(self.mesh, P())
+    abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
+    # Optimizer moments mirror the parameters (and are sharded like them); counts replicate.
+    opt_shardings = optax.tree_map_params(
+        self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
+        transform_non_params=lambda _: self.replicated)
+    self.state_shardings = TrainState(step=self.replicated, params=self.param_shardings,
+                                      opt_state=opt_shardings)
+    self.batch_sharding = batch_sharding(self.mesh, cfg.logical_rules)
+    # The model's other state (e.g. the RNG streams of nnx.Dropout layers): not trained and not
+    # checkpointed, a function of the seed.
+    self.rest = jax.jit(lambda: nnx.split(self._build(), nnx.Param, ...)[2],
+                        out_shardings=self.replicated)()
+    self._steps = {}
+
+  def abstract_state(self) -> TrainState:
+    """ShapeDtypeStructs with shardings: the restore target of a checkpoint."""
+    shapes = jax.eval_shape(self._init)
+    return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        shapes, self.state_shardings)
+
+  def _init(self) -> TrainState:
+    params = nnx.state(self._build(), nnx.Param)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=self.optimizer.init(params))
+
+  def init_state(self) -> TrainState:
+    return jax.jit(self._init, out_shardings=self.state_shardings)()
+
+  def model(self, params) -> nnx.Module:
+    return nnx.merge(self.graphdef, params, self.rest)
+
+  def _train_step(self, state: TrainState, batch, rest, *, stage: Stage, accum: int):
+    step_key = jax.random.fold_in(jax.random.key(self.cfg.seed), state.step)
+    # nnx's transform, not jax's: models whose layers keep RNG streams (nnx.Dropout(rngs=...))
+    # advance them inside the loss, which jax.value_and_grad refuses.
+    grad_fn = nnx.value_and_grad(lambda params, rest, batch, key: self.task.loss(
+        nnx.merge(self.graphdef, params, rest), batch, stage, key))
+    if accum == 1:
+      loss, grads = grad_fn(state.params, rest, batch, step_key)
+    else:
+      # Microbatch m takes rows m, m + accum, ...: every device keeps its own rows (the batch is
+      # sharded in contiguous blocks), so no data moves between devices.
+      def split(x):
+        x_MxB = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+        return jax.lax.with_sharding_constraint(
+            x_MxB, NamedSharding(self.mesh, P(None, *self.batch_sharding.spec)))
+
+      def body(carry, xs):
+        loss_sum, grad_sum = carry
+        m, microbatch = xs
+        # The Variables anew at this trace level (nnx transforms refuse outer ones).
+        params, rest_m = jax.tree.map(lambda x: x, (state.params, rest))
+        loss, grads = grad_fn(params, rest_m, microbatch, jax.random.fold_in(step_key, m))
+        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+
+      zeros = jax.tree.map(jnp.zeros_like, state.params)
+      (loss, grads), _ = jax.lax.scan(
+          body, (jnp.zeros((), jnp.float32), zeros),
+          (jnp.arange(accum), jax.tree.map(split, batch)))
+      loss = loss / accum
+      grads = jax.tree.map(lambda g: g / accum, grads)
+    updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
+               "learning_rate": learning_rate_schedule(self.cfg)(state.step)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+  def train_step(self, stage_index: int) -> Callable:
+    """The jitted step of a stage: (state, global batch) -> (state, metrics); donates state."""
+    if stage_index not in self._steps:
+      stage = self.cfg.stages[stage_index]
+      accum = 1 if self.cfg.microbatch_size is None else (
+          stage.batch_size // self.cfg.microbatch_size)
+      step = jax.jit(
+          functools.partial(self._train_step, stage=stage, accum=accum),
+          in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
+          out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+      self._steps[stage_index] = lambda state, batch: step(state, batch, self.rest)
+    return self._steps[stage_index]
+
+  def global_batch(self, local: Mapping[str, np.ndarray], global_batch_size: int
+                   ) -> dict[str, jax.Array]:
+    """This process's rows of every batch array -> the global arrays, split over the mesh."""
+    return {name: jax.make_array_from_process_local_data(
+                self.batch_sharding, x, (global_batch_size, *x.shape[1:]))
+            for name, x in local.items()}
+
+  def save(self, manager, state: TrainState, meta: dict[str, Any]) -> None:
+    checkpoint.save_train_state(manager, int(meta["step"]), state.params, state.opt_state, meta)
+
+  def restore(self, manager, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+    """(state, meta) of `step` (default: the latest), straight into the state's shardings."""
+    target = self.abstract_state()
+    params, opt_state, meta = checkpoint.restore_train_state(
+        manager, target.params, target.opt_state, step)
+    step_array = jax.make_array_from_callback(
+        (), self.replicated, lambda _: np.asarray(meta["step"], np.int32))
+    return TrainState(step=step_array, params=params, opt_state=opt_state), meta
+
+
+def maybe_initialize_distributed(mode: str = "auto") -> None:
+  """`jax.distributed.initialize()` before any device use: "on" (every host of a multi-host TPU
+  slice runs the same command; JAX finds its peers from the TPU metadata), "off", or "auto":
+  on when the environment names a cluster (several TPU workers, a coordinator address, or a
+  multi-task SLURM job)."""
+  if mode not in ("auto", "on", "off"):
+    raise ValueError(f"distributed mode must be 'auto', 'on' or 'off', got {mode!r}")
+  if mode == "auto":
+    mode = "on" if ("," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+                    or os.environ.get("JAX_COORDINATOR_ADDRESS")
+                    or int(os.environ.get("SLURM_NTASKS", "1")) > 1) else "off"
+  if mode == "on":
+    jax.distributed.initialize()
+
+
+class _Preemption:
+  """Turns SIGTERM into a flag checked between steps (the default action would kill the process
+  in the middle of an async checkpoint)."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    try:
+      self._previous = signal.signal(signal.SIGTERM, self._handler)
+    except ValueError:  # not the main thread: nothing to install
+      self._previous = None
+    return self
+
+  def _handler(self, signum, frame):
+    del signum, frame
+    self.requested = True
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+
+def _preempted_elsewhere(manager, step: int) -> bool:
+  # On a multi-host slice the hosts must agree on the step at which to save; JAX's preemption
+  # sync service (started by jax.distributed.initialize) tells every host the same step.
+  if jax.process_count() == 1:
+    return False
+  return bool(manager.reached_preemption(step))
+
+
+def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
+          train_data: np.ndarray | None = None, valid_data: np.ndarray | None = None,
+          mesh: Mesh | None = None, progress: bool = True, logdir: str | os.PathLike | None = None,
+          step_hook: Callable[[int, dict[str, float]], None] | None = None,
+          task: Task | None = None) -> dict[str, Any]:
+  """Runs (or resumes) the staged schedule of `cfg` in `workdir`; returns a summary dict.
+
+  task: what is trained (default: the char LM, `CharLMTask(train_data, valid_data)`).
+  train_data / valid_data: the char LM's byte arrays (default: `cfg.dataset`'s train and
+    validation splits); with another task, give the data to the task instead.
+  step_hook(step, metrics): called on every host after each step (tests use it to record losses
+    or to raise SIGTERM).
+  logdir: local directory for metrics.jsonl, tensorboard/ and curves.png (default: the workdir
+    when it is local, else runs/<workdir name>: JSONL appends need a local file system).
+  Returns {"status": "done" | "preempted", "step", "last_loss", and the last validation
+  metrics, e.g. "valid_bpc"}.
+  """
+  if task is None:
+    task = CharLMTask(train_data, valid_data)
+  elif train_data is not None or valid_data is not None:
+    raise ValueError("train_data / valid_data are the char-LM task's; give them to your task")
+  workdir = epath.Path(workdir)
+  if logdir is None:
+    logdir = Path("runs") / workdir.name if "://" in str(workdir) else Path(workdir)
+  logdir = Path(logdir)
+  is_main = jax.process_index() == 0
+  trainer = Trainer(cfg, mesh, task)
+
+  manager = checkpoint.checkpoint_manager(
+      workdir / checkpoint.CHECKPOINTS, max_to_keep=cfg.keep_checkpoints,
+      async_save=cfg.async_checkpoints)
+  batches_state = None
+  if manager.latest_step() is not None:
+    state, meta = trainer.restore(manager)
+    step, batches_state = int(meta["step"]), meta["sampler"]
+    if is_main:
+      print(f"resumed from step {step} (stage {meta['stage']}) in {manager.directory}")
+  else:
+    state, step = trainer.init_state(), 0
+  metrics_log = MetricsLog(logdir, step, enabled=is_main)
+  if is_main:
+    write_run_config(workdir, cfg)
+  summary = {"status": "done", "step": step, "last_loss": None}
+
+  def save(stage_index, batches):
+    if manager.latest_step() != step:
+      trainer.save(manager, state, {"step": step, "stage": stage_index,
+                                    "sampler": batches.state(), "dataset": cfg.dataset})
+
+  pbar = None
+  if progress and is_main:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    pbar = tqdm(total=cfg.total_steps, initial=step, unit="step", dynamic_ncols=True)
+
+  try:
+    with _Preemption() as preemption:
+      for stage_index in range(cfg.stage_at(step), len(cfg.stages)):
+        stage = cfg.stages[stage_index]
+        stage_start = cfg.stage_starts()[stage_index]
+        if step >= stage_start + stage.steps:
+          continue
+        batches = task.batches(cfg, stage_index, process_index=jax.process_index(),
+                               process_count=jax.process_count())
+        if step > stage_start:  # resumed inside this stage: the saved state is this stage's
+          batches.load_state(batches_state)
+        train_step = trainer.train_step(stage_index)
+        tokens_per_step = stage.batch_size * stage.seq_len
+        tick = time.perf_counter()
+        while step < stage_start + stage.steps:
+          state, metrics = train_step(state, trainer.global_batch(next(batches),
+                                                                  stage.batch_size))
+          loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+          # A finite loss with non-finite gradients would save NaN parameters: stop on either.
+          if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            manager.wait_until_finished()
+            raise NonFiniteLossError(
+                f"loss is {loss} (gradient norm {grad_norm}) at step {step + 1} (stage "
+                f"{stage_index}, seq_len {stage.seq_len}); stopped without saving. The last "
+                f"good checkpoint is step {manager.latest_step()} in {manager.directory}: "
+                f"lower the learning rate or raise warm-up and resume from it.")
+          step += 1
+          now = time.perf_counter()
+          tokens_per_s = tokens_per_step / max(now - tick, 1e-9)
+          tick = now
+          derived = task.train_metrics(loss)
+          summary["last_loss"] = loss
+          if step % cfg.log_every == 0 or step == cfg.total_steps:
+            metrics_log.write(step, train_loss=loss, **derived, grad_norm=grad_norm,
+                              tokens_per_s=tokens_per_s,
+                              learning_rate=float(metrics["learning_rate"]), stage=stage_index)
+          if pbar is not None:
+            pbar.update(1)
+            pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}",
+                             **{k: f"{v:.3f}" for k, v in derived.items()},
+                             tok_s=f"{tokens_per_s:,.0f}")
+          if step_hook is not None:
+            step_hook(step, {"loss": loss, "grad_norm": grad_norm,
+                             "tokens_per_s": tokens_per_s, **derived})
+          if cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
+                                                    or step == cfg.total_steps):
+            valid = task.evaluate(trainer.model(state.params), cfg, stage_index, trainer.mesh)
+            summary.update(valid)
+            if valid:
+              metrics_log.write(step, **valid)
+              if pbar is not None:
+                pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
+            tick = time.perf_counter()  # evaluation time is not training throughput
+          summary["step"] = step
+          if preemption.requested or _preempted_elsewhere(manager, step):
+            save(stage_index, batches)
+            summary["status"] = "preempted"
+            if is_main:
+              print(f"\nSIGTERM: saved step {step} in {manager.directory}; exiting.")
+            return summary
+          if step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps:
+            save(stage_index, batches)
+      return summary
+  finally:
+    if pbar is not None:
+      pbar.close()
+    manager.wait_until_finished()
+    manager.close()
+    metrics_log.close()
+    if is_main and metrics_log.path.exists():
+      plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)

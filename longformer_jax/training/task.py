@@ -1,0 +1,105 @@
+"""`Task`: what the training loop needs to know about one kind of model and data.
+
+The loop (`training.loop`), the sharding, the checkpoints and the metrics are the same for every
+model; a task supplies the rest. `training.charlm.CharLMTask` is the character-level LM; a masked
+LM or a seq2seq task subclasses `Task` the same way, e.g.
+
+    class MaskedLMTask(Task):
+      def build_model(self, config, rngs):
+        return LongformerForMaskedLM(config, rngs=rngs)
+      def loss(self, model, batch, stage, dropout_key):
+        ...  # mean masked-token cross-entropy of batch["input_ids"], batch["labels"]
+      def batches(self, cfg, stage_index, *, process_index, process_count):
+        ...  # an iterator of {"input_ids": ..., "labels": ...} with state()/load_state()
+
+Batches are dicts of NumPy arrays whose leading axis is this process's rows of the global batch
+(`stage.batch_size / process_count` of them); the loop assembles the global batch and splits it
+over the mesh's `batch` axes.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Mapping
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from longformer_jax.training.config import Stage, TrainConfig
+
+Batch = Mapping[str, np.ndarray]
+
+
+class Batches(Protocol):
+  """An endless, resumable iterator of batches: `state()` is a JSON-able dict saved with each
+  checkpoint; `load_state(state)` continues exactly from it."""
+
+  def __next__(self) -> Batch: ...
+
+  def state(self) -> dict[str, Any]: ...
+
+  def load_state(self, state: Mapping[str, Any]) -> None: ...
+
+
+class Task(abc.ABC):
+  """The model-specific part of training. Everything random must be a function of its arguments
+  (the loop passes per-step keys and stage indices) for exact resume."""
+
+  # Metrics drawn in <logdir>/curves.png, and the y axis label.
+  plot_keys: tuple[str, ...] = ("train_loss",)
+  plot_ylabel: str = "loss"
+
+  def check(self, cfg: TrainConfig) -> None:
+    """Raises ValueError when `cfg` is not a run this task can train (default: accepts all)."""
+
+  @abc.abstractmethod
+  def build_model(self, config: Any, rngs: nnx.Rngs) -> nnx.Module:
+    """A freshly initialised model of `config` (`TrainConfig.model`)."""
+
+  @abc.abstractmethod
+  def loss(self, model: nnx.Module, batch: Mapping[str, jax.Array], stage: Stage,
+           dropout_key: jax.Array) -> jax.Array:
+    """The scalar training loss of `batch` (traced under jit; `stage` is static)."""
+
+  @abc.abstractmethod
+  def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
+              process_count: int) -> Batches:
+    """The training batches of a stage, from the stage's first step."""
+
+  def evaluate(self, model: nnx.Module, cfg: TrainConfig, stage_index: int,
+               mesh: Mesh) -> dict[str, float]:
+    """Validation metrics (keys starting with "valid_") every `cfg.eval_every` steps and at the
+    end (default: none)."""
+    del model, cfg, stage_index, mesh
+    return {}
+
+  def train_metrics(self, loss: float) -> dict[str, float]:
+    """Metrics derived from a step's loss, logged next to `train_loss` (default: none)."""
+    del loss
+    return {}
+
+
+def dict_batches(batches: Iterator[tuple[np.ndarray, ...]], names: tuple[str, ...]) -> Batches:
+  """Adapts an iterator of tuples that has state()/load_state() to one of dicts."""
+  return _DictBatches(batches, names)
+
+
+class _DictBatches:
+
+  def __init__(self, batches, names):
+    self._batches, self._names = batches, names
+
+  def __next__(self) -> Batch:
+    return dict(zip(self._names, next(self._batches), strict=True))
+
+  def __iter__(self):
+    return self
+
+  def state(self) -> dict[str, Any]:
+    return self._batches.state()
+
+  def load_state(self, state) -> None:
+    self._batches.load_state(state)

@@ -1,0 +1,175 @@
+"""Helpers shared by the test files: reproducible seeds, per-dtype tolerances, one closeness
+assertion, random attention inputs, and the `GRID` parametrization hook of tests/conftest.py.
+
+Only jax, numpy and pytest are imported here (no torch, no model code), so any test may import
+it; torch-based helpers live in tests/hf_testing.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# ---------------------------------------------------------------------------------------------
+# Seeds
+
+
+def seed_of(*parts) -> int:
+  """A seed in [0, 2**32) from `parts`, the same in every process: the crc32 of their `str`s
+  joined by '/' (so `seed_of(case) == zlib.crc32(str(case).encode())`). Never use `hash()`:
+  Python salts string hashes per process, so a failure could not be reproduced."""
+  return zlib.crc32("/".join(str(part) for part in parts).encode())
+
+
+# ---------------------------------------------------------------------------------------------
+# Tolerances and comparison
+
+# `assert_close` tolerance of a kernel against the reference run on the SAME inputs in the same
+# dtype (error relative to max(1, max |reference|)).
+TOLERANCE = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 1e-2}
+# `np.testing.assert_allclose` atol = rtol of a 16-bit run against the float32 reference run on
+# the same (16-bit-rounded) inputs: the 16-bit arithmetic itself adds error, hence looser.
+TOLERANCE_VS_FLOAT32 = {"bfloat16": 2e-2, "float16": 2e-2}
+
+
+def tolerance(dtype, table=None) -> float:
+  """`table[dtype]` (default `TOLERANCE`) for any spelling of the dtype (jnp.bfloat16,
+  np.float32, 'float16', ...)."""
+  return (TOLERANCE if table is None else table)[jnp.dtype(dtype).name]
+
+
+def assert_close(actual, expected, tol: float, what: str):
+  """Asserts `actual` is finite and max |actual - expected| <= tol * max(1, max |expected|),
+  comparing in float32; `what` names the quantity in the failure message."""
+  actual = np.asarray(jnp.asarray(actual, jnp.float32))
+  expected = np.asarray(jnp.asarray(expected, jnp.float32))
+  assert np.all(np.isfinite(actual)), f"{what}: non-finite values"
+  scale = max(1.0, float(np.max(np.abs(expected))))
+  err = float(np.max(np.abs(actual - expected))) / scale
+  assert err <= tol, f"{what}: max error {err:.3g} (relative to scale {scale:.3g}) > {tol}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Random attention inputs
+
+
+def random_normal(rng: np.random.Generator, shape, dtype, count: int):
+  """`count` arrays ~ N(0, 1) of `shape`, drawn from `rng` in order, cast to `dtype`."""
+  return [jnp.asarray(rng.standard_normal(shape), dtype) for _ in range(count)]
+
+
+def make_band_inputs(seed: int, batch: int, seq: int, heads: int, head_dim: int, dtype,
+                     mask_kind: str):
+  """Inputs of a band kernel: q, k, v ~ N(0, 1) [batch, seq, heads, head_dim] in `dtype`, and a
+  [batch, seq] bool key_mask: 'all' real, 'holes' (~25% padding, scattered), or 'holes+empty'
+  (holes, and batch row 0 with every key masked)."""
+  rng = np.random.default_rng(seed)
+  q, k, v = random_normal(rng, (batch, seq, heads, head_dim), dtype, 3)
+  key_mask = np.ones((batch, seq), bool)
+  if mask_kind != "all":
+    key_mask &= rng.random((batch, seq)) > 0.25
+  if mask_kind == "holes+empty":
+    key_mask[0] = False
+  return q, k, v, jnp.asarray(key_mask)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCase:
+  """One configuration of `longformer_attention`; `str` is its test id (and its seed source)."""
+  batch: int
+  seq: int
+  heads: int
+  window: int
+  dilation: int | tuple = 1
+  causal: bool = False
+  padding: bool = False
+  max_globals: int = 0  # up to this many global tokens per row, a different count per row
+  head_dim: int = 8
+
+  def __str__(self):
+    return "-".join(f"{k}{v}" for k, v in dataclasses.asdict(self).items())
+
+
+def make_attention_inputs(case: AttentionCase, seed: int, dtype=jnp.float32):
+  """Random q, k, v (+ global ones) and the op's keyword arguments for `case`: masks with a
+  different padding length / global count per row. Returns ((q, k, v), kwargs), kwargs holding
+  window, dilation, causal, attention_mask and, with globals, global_mask and global_qkv."""
+  rng = np.random.default_rng(seed)
+  shape = (case.batch, case.seq, case.heads, case.head_dim)
+  q, k, v, q_g, k_g, v_g = random_normal(rng, shape, dtype, 6)
+  lengths = [case.seq] + [int(rng.integers(1, case.seq + 1)) for _ in range(case.batch - 1)]
+  if not case.padding:
+    lengths = [case.seq] * case.batch
+  attention_mask = np.arange(case.seq)[None, :] < np.array(lengths)[:, None]
+  global_mask = np.zeros((case.batch, case.seq), bool)
+  for b, length in enumerate(lengths):
+    count = min(case.max_globals, length) - (b % 2 if case.max_globals else 0)
+    if count > 0:
+      global_mask[b, rng.choice(length, size=count, replace=False)] = True
+  kwargs = dict(window=case.window, dilation=case.dilation, causal=case.causal,
+                attention_mask=jnp.asarray(attention_mask))
+  if case.max_globals:
+    kwargs.update(global_mask=jnp.asarray(global_mask), global_qkv=(q_g, k_g, v_g))
+  return (q, k, v), kwargs
+
+
+# ---------------------------------------------------------------------------------------------
+# The GRID hook (called by tests/conftest.py's pytest_generate_tests)
+
+GRID_ARG = "grid_case"
+
+
+def parametrize_grid(metafunc):
+  """A test taking `grid_case` runs once per entry of its class's `GRID`, with id `str(entry)`,
+  so a subclass that reruns a suite (another implementation, compiled vs interpret) can choose
+  its own grid."""
+  if GRID_ARG not in metafunc.fixturenames:
+    return
+  grid = getattr(metafunc.cls, "GRID", None)
+  if grid is None:
+    pytest.fail(f"{metafunc.function.__qualname__} takes `{GRID_ARG}`, but its class has no "
+                "GRID attribute", pytrace=False)
+  metafunc.parametrize(GRID_ARG, grid, ids=str)
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoder models: the tiny shape and inputs shared by the model, Linen, conversion and HF parity
+# tests (same shapes everywhere, so eager ops compiled for one test are reused by the next).
+
+BATCH, SEQ, VOCAB = 3, 23, 64
+SEP = 2
+# head_dim 16: the smallest the Pallas kernels take, so every implementation runs on these.
+ENCODER_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
+                     num_attention_heads=4, intermediate_size=96, max_position_embeddings=40,
+                     type_vocab_size=2, layer_norm_eps=1e-5)
+# One-sided windows of the three layers (HF's totals: 4, 8, 6).
+ENCODER_WINDOWS = (2, 4, 3)
+
+
+def tiny_encoder_config(**changes):
+  """A `LongformerConfig` of ENCODER_SHAPE with windows ENCODER_WINDOWS, plus `changes`."""
+  from longformer_jax.config import LongformerConfig  # pylint: disable=import-outside-toplevel
+  return LongformerConfig(**{**ENCODER_SHAPE, "attention_window": ENCODER_WINDOWS, **changes})
+
+
+def make_model_inputs(seed: int = 0) -> dict[str, np.ndarray]:
+  """[BATCH, SEQ] inputs: rows of length 23, 17 and 9 (padding), <s> q </s></s> c </s> layout
+  (so HF's QA/multiple-choice defaults apply), 3, 1 and 0 global tokens (row 1 also marks a
+  padding token, which must be ignored), and random token types."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(4, VOCAB, (BATCH, SEQ))
+  attention_mask = np.zeros((BATCH, SEQ), np.int64)
+  for b, (length, question) in enumerate(zip([SEQ, 17, 9], [3, 5, 2])):
+    ids[b, 0] = 0
+    ids[b, [question + 1, question + 2, length - 1]] = SEP
+    ids[b, length:] = 1  # pad token
+    attention_mask[b, :length] = 1
+  global_mask = np.zeros((BATCH, SEQ), np.int64)
+  global_mask[0, [0, 5, 6]] = 1
+  global_mask[1, [0, 20]] = 1
+  return dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
+              token_type_ids=rng.integers(0, 2, (BATCH, SEQ)))
