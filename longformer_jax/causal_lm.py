@@ -47,7 +47,8 @@ class CausalLMLayer(nnx.Module):
     # LayerNorm statistics and the residual stream stay float32 whatever the compute dtype:
     # bf16 variances of a residual stream with large outliers are the classic source of
     # divergence.
-    norm = dict(dtype=jnp.float32, param_dtype=cfg.param_dtype, rngs=rngs)
+    norm = dict(dtype=jnp.float32, param_dtype=cfg.param_dtype, rngs=rngs,
+                two_pass_variance=False)
     dense_args = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs)
     self.ln_attn = layer_norm(cfg.hidden_size, cfg.layer_norm_eps, **norm)
     self.attention = LongformerSelfAttention(
@@ -86,7 +87,7 @@ class LongformerForCausalLM(nnx.Module):
     self.layers = nnx.List([CausalLMLayer(cfg, i, rngs=rngs)
                             for i in range(cfg.num_hidden_layers)])
     self.ln_final = layer_norm(cfg.hidden_size, cfg.layer_norm_eps, dtype=jnp.float32,
-                               param_dtype=cfg.param_dtype, rngs=rngs)
+                               param_dtype=cfg.param_dtype, rngs=rngs, two_pass_variance=False)
     self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
     self.head = None if cfg.tie_word_embeddings else dense(
         cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), init=_fan_in_init(),

@@ -76,12 +76,15 @@ def dense(in_features: int | Sequence[int], out_features: int | Sequence[int],
       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-def layer_norm(size: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs) -> nnx.LayerNorm:
+def layer_norm(size: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs,
+               two_pass_variance: bool = True) -> nnx.LayerNorm:
   """LayerNorm over the last axis with statistics in float32 whatever `dtype` is.
 
-  Two-pass variance, as torch computes it: E[x^2] - E[x]^2 loses digits on small activations.
+  two_pass_variance: E[(x - E[x])^2], as torch computes it (HF parity at 1e-5 needs it:
+  E[x^2] - E[x]^2 loses digits on small activations); False takes flax's one-pass form, about
+  10% faster on the char LM's small widths, whose pre-LN residual stream does not need it.
   """
-  return nnx.LayerNorm(size, epsilon=eps, use_fast_variance=False, dtype=dtype,
+  return nnx.LayerNorm(size, epsilon=eps, use_fast_variance=not two_pass_variance, dtype=dtype,
                        param_dtype=param_dtype,
                        scale_metadata=logical_axes("norm"), bias_metadata=logical_axes("norm"),
                        rngs=rngs)
