@@ -6,9 +6,10 @@ Command (from the repository root):
     python -m train.charlm --config train/configs/char_tiny.py
 
 Expected result (measured on 2 CPU cores, jax 0.12, other jobs lightly loading the machine):
-test BPC 2.118 (valid 2.112) after 8.8 minutes of training (3,000 steps of 8 x 256 bytes,
-~12,000 tokens/s; compile and valid evaluations included); the sliding-window test evaluation
-(context 512, stride 256: the paper's protocol scaled down) takes 16 s more. The `xz -9e` figure
+test BPC 2.122 (valid 2.109) after 3,000 steps of 8 x 256 bytes (8.8 minutes of training on
+quiet cores, ~12,000 tokens/s; 17 minutes at ~8,000 tokens/s when other jobs share them; compile
+and valid evaluations included); the sliding-window test evaluation (context 512, stride 256:
+the paper's protocol scaled down) takes 16-26 s more. The `xz -9e` figure
 for the same test split, given its training part, is 2.14 bpc. Writes
 runs/char_tiny/{metrics.jsonl,tensorboard/,curves.png,checkpoints/,results.json}.
 """
