@@ -3,7 +3,8 @@
 #
 #   ./run.sh demo    train char_tiny on the bundled Wikipedia sample (CPU, ~10 min), evaluate
 #                    test bits-per-character, plot the curves
-#   ./run.sh test    install the test extras (torch for the HF parity tests) and run the tests
+#   ./run.sh test    install the test extras (torch for the HF parity tests, libtpu for the
+#                    TPU compile tests) and run the tests
 #   ./run.sh bench   the attention benchmark (benchmarks/attention.py), extra args passed on
 #
 # The interpreter: $PYTHON if set, else the first python >= 3.12 (3.12 preferred) found on
@@ -65,7 +66,10 @@ case "$cmd" in
     exec "$VENV/bin/python" -m train.charlm --config train/configs/char_tiny.py "$@"
     ;;
   test)
-    ensure_venv test,torch
+    # tpu: libtpu's compile-only TPU client (tests/test_tpu_aot.py compiles for TPU slices on
+    # this CPU). A venv with libtpu prints a few lines of libtpu warnings on the first jax use
+    # when JAX_PLATFORMS is unset; JAX_PLATFORMS=cpu (the tests' setting) avoids them.
+    ensure_venv test,torch,tpu
     "$VENV/bin/python" -c 'import jax, flax, sys; print(f"[run.sh] python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
     exec "$VENV/bin/python" -m pytest -n 2 "$@"
     ;;

@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+from train.charlm import add_distributed_args, initialize_distributed
+
 
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--max-bytes", type=int, default=None, help="score only a prefix")
   parser.add_argument("--output", default=None, help="JSON path")
   parser.add_argument("--no-progress", action="store_true")
-  parser.add_argument("--distributed", default="auto", choices=("auto", "on", "off"))
+  add_distributed_args(parser)
   args = parser.parse_args(argv)
   if args.file is not None and args.split is not None:
     parser.error("--split selects a split of --dataset; it does not go with --file")
@@ -53,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
   from longformer_jax.evaluation import describe, evaluate_run
   from longformer_jax.io import atomic_write
   # pylint: enable=g-import-not-at-top
-  training.maybe_initialize_distributed(args.distributed)
+  initialize_distributed(args)
 
   workdir = epath.Path(args.workdir)
   if args.file is not None:

@@ -40,6 +40,15 @@ class LongformerSelfAttention(nnx.Module):
       when `causal`: a baseline that ignores window and dilation).
     kernel_init: initialiser of the q/k/v (and global) projections; output_init: of `output`
       (default: kernel_init).
+    mesh: the device mesh the activations are laid out on (None: one device, or whatever XLA
+      makes of it). Given one, the band op runs per shard inside `shard_map` (Pallas kernels
+      cannot be partitioned by XLA), its batch split over every mesh axis but seq_axis.
+    seq_axis: the mesh axis that splits sequences (sequence-parallel band attention with halo
+      exchange, `ops.longformer_attention`); None: whole sequences on every device.
+    The mesh is not a parameter or config: it is part of the module's static structure (its
+    graphdef), so a model built for one mesh runs on that mesh. `attention="full"` ignores mesh
+    and seq_axis: `jax.nn.dot_product_attention` is plain XLA, which GSPMD partitions by itself
+    (gathering what the sharded sequence needs).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, *, window: int,
@@ -47,7 +56,8 @@ class LongformerSelfAttention(nnx.Module):
                global_projections: bool = True, rope_base: float | None = None,
                attention: str = "band", kernel_init: Initializer = nnx.initializers.normal(0.02),
                output_init: Initializer | None = None, dtype=None, param_dtype=jnp.float32,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, mesh: jax.sharding.Mesh | None = None,
+               seq_axis: str | None = None):
     if hidden_size % num_heads:
       raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
     if attention not in _ATTENTIONS:
@@ -63,6 +73,10 @@ class LongformerSelfAttention(nnx.Module):
     self.impl = impl
     self.rope_base = rope_base
     self.attention = attention
+    if seq_axis is not None and mesh is None:
+      raise ValueError(f"seq_axis={seq_axis!r} names a mesh axis, but mesh=None")
+    self.mesh = mesh
+    self.seq_axis = seq_axis
     init = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     in_axes = ("embed", "heads", "kv")
     qkv = lambda: dense(hidden_size, (num_heads, head_dim), in_axes, init=kernel_init, **init)
@@ -115,5 +129,6 @@ class LongformerSelfAttention(nnx.Module):
           q_BxNxHxD, k_BxNxHxD, v_BxNxHxD, **args, return_probs=True)
     else:
       out_BxNxHxD = ops.longformer_attention(q_BxNxHxD, k_BxNxHxD, v_BxNxHxD, **args,
-                                             impl=self.impl, max_global=max_global)
+                                             impl=self.impl, max_global=max_global,
+                                             mesh=self.mesh, seq_axis=self.seq_axis)
     return self.output(out_BxNxHxD), probs_BxHxNxN

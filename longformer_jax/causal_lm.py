@@ -40,7 +40,8 @@ def _fan_in_init(scale: float = 1.0):
 class CausalLMLayer(nnx.Module):
   """x + attn(LN(x)), then x + mlp(LN(x)): pre-LayerNorm, dropout on each branch output."""
 
-  def __init__(self, cfg: CharLMConfig, layer: int, *, rngs: nnx.Rngs):
+  def __init__(self, cfg: CharLMConfig, layer: int, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
     # Output projections start small (GPT-2's 1/sqrt(2 * layers) in std) so that the residual
     # stream of a deep pre-LN stack does not grow with depth at initialisation.
     out_init = _fan_in_init(1.0 / (2 * cfg.num_hidden_layers))
@@ -55,7 +56,8 @@ class CausalLMLayer(nnx.Module):
         cfg.hidden_size, cfg.num_attention_heads, window=cfg.layer_windows[layer],
         dilation=cfg.layer_dilations[layer], causal=True, impl=cfg.attention_impl,
         global_projections=False, rope_base=cfg.rope_base, attention=cfg.attention,
-        kernel_init=_fan_in_init(), output_init=out_init, **dense_args)
+        kernel_init=_fan_in_init(), output_init=out_init, mesh=mesh, seq_axis=seq_axis,
+        **dense_args)
     self.ln_mlp = layer_norm(cfg.hidden_size, cfg.layer_norm_eps, **norm)
     self.intermediate = dense(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"),
                               init=_fan_in_init(), **dense_args)
@@ -75,16 +77,21 @@ class CausalLMLayer(nnx.Module):
 
 
 class LongformerForCausalLM(nnx.Module):
-  """Bytes in, next-byte logits out: `model(tokens_BxN) -> logits_BxNxV` (float32)."""
+  """Bytes in, next-byte logits out: `model(tokens_BxN) -> logits_BxNxV` (float32).
 
-  def __init__(self, config: CharLMConfig, *, rngs: nnx.Rngs):
+  mesh, seq_axis: the device mesh the activations are laid out on and the axis that splits
+  sequences, for the attention op (see `LongformerSelfAttention`); None: as on one device.
+  """
+
+  def __init__(self, config: CharLMConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
     if not isinstance(config, CharLMConfig):
       raise TypeError(f"config must be a CharLMConfig, got {type(config).__name__}")
     self.config = cfg = config
     self.embed = embed(cfg.vocab_size, cfg.hidden_size, ("vocab", "embed"),
                        stddev=cfg.initializer_range, dtype=cfg.dtype,
                        param_dtype=cfg.param_dtype, rngs=rngs)
-    self.layers = nnx.List([CausalLMLayer(cfg, i, rngs=rngs)
+    self.layers = nnx.List([CausalLMLayer(cfg, i, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
                             for i in range(cfg.num_hidden_layers)])
     self.ln_final = layer_norm(cfg.hidden_size, cfg.layer_norm_eps, dtype=jnp.float32,
                                param_dtype=cfg.param_dtype, rngs=rngs, two_pass_variance=False)

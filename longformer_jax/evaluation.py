@@ -117,10 +117,17 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   windows = None if windows is None else tuple(windows)
 
   if mesh is not None:
-    batch_spec = jax.sharding.PartitionSpec(tuple(mesh.axis_names))
-    sharding = jax.sharding.NamedSharding(mesh, batch_spec)
-    ndev = mesh.devices.size
-    batch_size = -(-batch_size // ndev) * ndev   # every device gets whole rows
+    # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
+    from longformer_jax.training.sharding import (  # pylint: disable=g-import-not-at-top
+        batch_axes, row_group, seq_axis)
+    rows, seq = batch_axes(mesh), seq_axis(mesh)
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows, seq))
+    row_shards = math.prod(mesh.shape[a] for a in rows)
+    batch_size = -(-batch_size // row_shards) * row_shards   # every device gets whole rows
+    if seq is not None:
+      # Every piece of a sequence the same length: pad at the end, which a causal model's
+      # earlier positions never see (the padding weighs 0).
+      length = -(-length // mesh.shape[seq]) * mesh.shape[seq]
   else:
     sharding = None
 
@@ -128,10 +135,11 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   def put(x):
     if sharding is None:
       return x
-    # Each process feeds its own rows of the global batch.
-    per_process = x.shape[0] // jax.process_count()
-    local = x[jax.process_index() * per_process:(jax.process_index() + 1) * per_process]
-    return jax.make_array_from_process_local_data(sharding, local, x.shape)
+    # Each process feeds the rows of its row group (every process holds the whole batch).
+    group, groups = row_group(sharding, x.shape)
+    rows = x.shape[0] // groups
+    return jax.make_array_from_process_local_data(sharding, x[group * rows:(group + 1) * rows],
+                                                  x.shape)
 
   total, count = 0.0, 0
   batches = _batches(data, plan, length, batch_size)
@@ -157,7 +165,10 @@ def evaluate_bpc(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   score_last: the positions each window after the first scores; must equal stride (default);
   protocol: "sliding" (the paper's: context 32,256, stride 512) or "chunks" (non-overlapping);
   windows: per-layer attention windows for this evaluation (default: the model config's);
-  mesh: shard each batch over all its axes (batch_size is rounded up to a device multiple).
+  mesh: shard each batch over it: rows over every axis but `seq`, and the length over `seq`
+    when the mesh has that axis with more than one device (the model must have been built for
+    the same mesh, e.g. by `evaluate_run` or the `Trainer`, for its attention to run per
+    shard). batch_size is rounded up to a multiple of the row shards.
   """
   total, count = evaluate_nll(model, data, context=context, stride=stride, score_last=score_last,
                               batch_size=batch_size, protocol=protocol, windows=windows,
@@ -175,19 +186,23 @@ def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
   Reads <workdir>/run_config.json, restores the parameters of checkpoint `step` (default: the
   latest) and nothing else (`checkpoint.load_params`: no optimizer state), and scores `data`
   with the final stage's attention windows (`evaluate_bpc`'s other arguments). mesh: the batch
-  is split over it and the parameters are sharded by the run's logical rules (default: all
-  devices on the data axis). Returns {"bpc", "bytes", "step", "windows", and the protocol}.
+  is split over it as in `evaluate_bpc`, the model is built for it, and the parameters are
+  sharded by the run's logical rules (default: all devices on the data axis). Returns {"bpc",
+  "bytes", "step", "windows", and the protocol}.
   """
   # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
   from longformer_jax.training import (  # pylint: disable=g-import-not-at-top
       make_mesh, param_shardings, read_run_config)
+  from longformer_jax.training.sharding import seq_axis  # pylint: disable=g-import-not-at-top
   cfg = read_run_config(workdir)
   mesh = make_mesh((-1, 1)) if mesh is None else mesh
   step = checkpoint.latest_step(workdir) if step is None else step
   if step is None:
     raise FileNotFoundError(f"no checkpoint under {workdir}")
   model = checkpoint.restore_model(
-      lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed)), workdir, step=step,
+      lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
+                                    seq_axis=seq_axis(mesh)),
+      workdir, step=step,
       shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
   windows = cfg.stage_windows(-1)
   start = time.perf_counter()

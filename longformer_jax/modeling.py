@@ -13,6 +13,11 @@ checks it at 1e-5 in float32), with these interface differences:
     with a global mask it cannot count while tracing (see `ops.longformer_attention`). Models
     that set global attention themselves (sequence classification) pass it for you.
 
+Every model takes the constructor arguments `mesh` and `seq_axis` (default None): the device mesh
+its activations are laid out on and the axis that splits sequences, handed to every attention
+layer (`LongformerSelfAttention`). They are not part of the config, nor of `init_kwargs`: a
+checkpoint is the same whatever mesh trained it.
+
 Shapes (docs/design.md §4): B batch, C choices, N sequence, E hidden, V vocabulary, L labels.
 """
 
@@ -107,7 +112,8 @@ class LongformerModel(nnx.Module):
   """The Longformer encoder: embeddings, `num_hidden_layers` layers, and an optional pooler."""
 
   def __init__(self, config: LongformerConfig, *, add_pooling_layer: bool = True,
-               rngs: nnx.Rngs):
+               rngs: nnx.Rngs, mesh: jax.sharding.Mesh | None = None,
+               seq_axis: str | None = None):
     self.config = config
     c = config
     dtypes = dict(dtype=c.dtype, param_dtype=c.param_dtype)
@@ -121,7 +127,8 @@ class LongformerModel(nnx.Module):
             c.hidden_size, c.num_attention_heads, c.intermediate_size, window=window,
             dilation=dilation, causal=c.causal, impl=c.attention_impl, hidden_act=c.hidden_act,
             layer_norm_eps=c.layer_norm_eps, dropout_rate=c.hidden_dropout_prob,
-            initializer_range=c.initializer_range, **dtypes, rngs=rngs)
+            initializer_range=c.initializer_range, **dtypes, rngs=rngs, mesh=mesh,
+            seq_axis=seq_axis)
         for window, dilation in zip(c.layer_windows, c.layer_dilations)])
     self.pooler = (dense(c.hidden_size, c.hidden_size, ("embed", None),
                          init=nnx.initializers.normal(c.initializer_range), **dtypes, rngs=rngs)
@@ -209,9 +216,11 @@ class LongformerLMHead(nnx.Module):
 class LongformerForMaskedLM(nnx.Module):
   """Encoder + LM head whose decoder is the word embedding matrix (tied, as in HF)."""
 
-  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
     self.config = config
-    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs)
+    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs, mesh=mesh,
+                                      seq_axis=seq_axis)
     self.lm_head = LongformerLMHead(
         config.hidden_size, config.vocab_size, layer_norm_eps=config.layer_norm_eps,
         initializer_range=config.initializer_range, dtype=config.dtype,
@@ -250,9 +259,11 @@ class LongformerForSequenceClassification(nnx.Module):
   Without a global_attention_mask, <s> gets global attention (as in HF).
   """
 
-  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
     self.config = config
-    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs)
+    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs, mesh=mesh,
+                                      seq_axis=seq_axis)
     self.classifier = LongformerClassificationHead(config, rngs=rngs)
 
   def __call__(self, input_ids, attention_mask=None, global_attention_mask=None,
@@ -274,12 +285,14 @@ class LongformerForQuestionAnswering(nnx.Module):
   attention, as in HF; under jit also pass `max_global` (the longest question).
   """
 
-  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
     if config.num_labels != 2:
       raise ValueError(f"question answering predicts start and end: num_labels must be 2, "
                        f"got {config.num_labels}")
     self.config = config
-    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs)
+    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs, mesh=mesh,
+                                      seq_axis=seq_axis)
     self.qa_outputs = _classifier(config, 2, rngs)
 
   def __call__(self, input_ids, attention_mask=None, global_attention_mask=None,
@@ -297,9 +310,11 @@ class LongformerForQuestionAnswering(nnx.Module):
 class LongformerForTokenClassification(nnx.Module):
   """Labels every token with one of `config.num_labels` classes."""
 
-  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
     self.config = config
-    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs)
+    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs, mesh=mesh,
+                                      seq_axis=seq_axis)
     self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
     self.classifier = _classifier(config, config.num_labels, rngs)
 
@@ -319,9 +334,11 @@ class LongformerForMultipleChoice(nnx.Module):
   default); under jit also pass `max_global`.
   """
 
-  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
     self.config = config
-    self.longformer = LongformerModel(config, add_pooling_layer=True, rngs=rngs)
+    self.longformer = LongformerModel(config, add_pooling_layer=True, rngs=rngs, mesh=mesh,
+                                      seq_axis=seq_axis)
     self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
     self.classifier = _classifier(config, 1, rngs)
 

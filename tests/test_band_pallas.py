@@ -10,7 +10,8 @@ JAX_PLATFORMS=cuda (or tpu) for the compiled classes.
 
 Also on CPU: lowering for 'cuda' and 'tpu' through an abstract mesh (docs/design.md §5.1), which proves
 the kernels become Triton / Mosaic custom calls with no silent fallback to XLA; and the captured
-Triton IR compiled to sm_90 cubins with the `triton` package (no GPU needed).
+Triton IR compiled to sm_90 cubins with the `triton` package (no GPU needed). The TPU kernels
+are compiled for real TPU slices (XLA's TPU compiler and Mosaic) in tests/test_tpu_aot.py.
 Tolerances (tests/testing.py TOLERANCE) are on the error divided by max(1, max |reference|):
 float32 1e-5, 16-bit 1e-2.
 """
@@ -76,7 +77,8 @@ TRITON_CASES = [BandCase(*case) for case in [
     (9, 2, 50, 2, 8, 5, False, "holes+empty", jnp.float32),  # head_dim 8: zero-padded to 16
 ]]
 # TPU tiles are >= 128 rows: seq 200/300 are padded, 256/384 exact; 384 with a small window has
-# key blocks outside the band of every query block.
+# key blocks outside the band of every query block. head_dim 64 runs two heads per block (one
+# head is padded to two, three to four); 128 and 256 one.
 TPU_CASES = [BandCase(*case) for case in [
     (10, 2, 200, 2, 64, 7, False, "holes+empty", jnp.float32),
     (11, 1, 256, 2, 64, 1, True, "holes", jnp.float32),
@@ -85,6 +87,8 @@ TPU_CASES = [BandCase(*case) for case in [
     (14, 2, 200, 1, 40, 0, False, "all", jnp.float32),  # head_dim 40: zero-padded to 64
     (15, 2, 300, 1, 64, 130, False, "holes+empty", jnp.bfloat16),
     (16, 1, 384, 2, 64, 5, True, "holes", jnp.bfloat16),
+    (17, 1, 256, 3, 64, 33, False, "holes", jnp.bfloat16),  # 3 heads: padded to 4
+    (18, 1, 200, 2, 256, 50, True, "holes+empty", jnp.float32),
 ]]
 
 

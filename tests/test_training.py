@@ -5,6 +5,7 @@ the run config round trip, another task through the same loop."""
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,13 +17,15 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.layers import LOGICAL_AXES
 from longformer_jax.modeling import LongformerForMaskedLM
 from longformer_jax.training import (LOGICAL_RULES, NonFiniteLossError, Stage, Task,
-                                     TrainConfig, Trainer, paper_stages, read_run_config, train,
-                                     write_run_config)
+                                     TrainConfig, Trainer, batch_sharding, make_mesh,
+                                     paper_stages, read_run_config, train, write_run_config)
+from longformer_jax.training.sharding import seq_axis
 
 MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                      intermediate_size=64, attention_window=(4, 8))
@@ -158,19 +161,23 @@ _MULTI_DEVICE = textwrap.dedent("""
                       microbatch_size=4)
     tokens = np.random.default_rng(0).integers(0, 256, (8, 17)).astype(np.int32)
     out = {}
-    for shape in [(1, 1), (4, 1), (2, 2), (1, 4)]:
-      devices = jax.devices()[:shape[0] * shape[1]]
+    # (data, fsdp) and (data, fsdp, seq): seq splits each 16-byte row into 2 or 4 pieces, shorter
+    # than the 8-byte window of layer 2 reaches (halos spanning several shards). Pure data
+    # parallelism, (4, 1), is left out for time: (2, 2) and (2, 1, 2) split the data too.
+    for shape in [(1, 1), (2, 2), (1, 4), (1, 1, 4), (2, 1, 2), (1, 2, 2)]:
+      devices = jax.devices()[:int(np.prod(shape))]
       trainer = Trainer(cfg, make_mesh(shape, devices))
       state = trainer.init_state()
       step = trainer.train_step(0)
       losses = []
       for _ in range(3):
-        batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-        state, m = step(state, trainer.global_batch(batch, 8))
+        batch = trainer.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, 8)
+        state, m = step(state, batch)
         losses.append(float(m["loss"]))
       emb = state.params["embed"]["embedding"]
-      out[str(shape)] = {"losses": losses, "emb_shards": len(emb.addressable_shards),
-                         "emb_shard_shape": list(emb.addressable_shards[0].data.shape)}
+      shard_shape = lambda x: list(x.addressable_shards[0].data.shape)
+      out[str(shape)] = {"losses": losses, "emb_shard_shape": shard_shape(emb),
+                         "batch_shard_shape": shard_shape(batch["inputs"])}
       # Evaluation with the batch sharded over the same mesh (5 windows: padded to 8 rows).
       out[str(shape)]["bpc"] = evaluate_bpc(trainer.model(state.params), tokens.ravel()[:80],
                                             context=16, stride=16, batch_size=3,
@@ -190,10 +197,15 @@ def test_four_simulated_devices_match_one_device():
   for shape, result in out.items():
     np.testing.assert_allclose(result["losses"], ref, rtol=2e-6, err_msg=shape)
     np.testing.assert_allclose(result["bpc"], out["(1, 1)"]["bpc"], rtol=2e-6, err_msg=shape)
-  # fsdp really shards the embedding's `embed` dimension (32 / 4 = 8 columns per device).
+  # fsdp really shards the embedding's `embed` dimension (32 / 4 = 8 columns per device); seq
+  # replicates it.
   assert out["(1, 4)"]["emb_shard_shape"] == [256, 8]
   assert out["(2, 2)"]["emb_shard_shape"] == [256, 16]
-  assert out["(4, 1)"]["emb_shard_shape"] == [256, 32]
+  assert out["(1, 1, 4)"]["emb_shard_shape"] == [256, 32]
+  assert out["(1, 2, 2)"]["emb_shard_shape"] == [256, 16]
+  # The batch's length is split over seq: a device holds 16 / 4 bytes of each of its rows.
+  assert out["(1, 1, 4)"]["batch_shard_shape"] == [8, 4]
+  assert out["(2, 1, 2)"]["batch_shard_shape"] == [4, 8]
 
 
 def test_config_errors_name_the_bad_value():
@@ -210,13 +222,41 @@ def test_config_errors_name_the_bad_value():
     Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0, warmup_steps=2)
   with pytest.raises(ValueError, match="does not use the 1 devices"):
     Trainer(_config(mesh_shape=(2, 1)))
+  with pytest.raises(ValueError, match=r"seq=4\) does not use the 1 devices"):
+    Trainer(_config(mesh_shape=(1, 1, 4)))
+  for bad in [(1,), (1, 1, 1, 1), (1.5, 1), "(1, 1)", (True, 1)]:
+    with pytest.raises(ValueError, match=r"\(data, fsdp\) or \(data, fsdp, seq\) ints, got "
+                       + re.escape(repr(bad))):
+      _config(mesh_shape=bad)
+  for bad in [(-1, -1), (1, -1, -1), (0, 1), (1, 1, -2)]:
+    with pytest.raises(ValueError, match=r"at most one of them, got " + re.escape(repr(bad))):
+      _config(mesh_shape=bad)
   with pytest.raises(ValueError, match="trains a CharLMConfig model, got LongformerConfig"):
     Trainer(_config(model=LongformerConfig(num_hidden_layers=2, hidden_size=32,
                                            num_attention_heads=2, intermediate_size=64)))
 
 
 def test_logical_rules_cover_every_parameter_axis():
-  assert set(LOGICAL_AXES) | {"batch"} == {name for name, _ in LOGICAL_RULES}
+  assert set(LOGICAL_AXES) | {"batch", "length"} == {name for name, _ in LOGICAL_RULES}
+
+
+def test_mesh_axes_and_batch_shardings():
+  assert make_mesh((-1, 1)).shape == {"data": 1, "fsdp": 1, "seq": 1}
+  assert make_mesh((1, 1, -1)).shape == {"data": 1, "fsdp": 1, "seq": 1}
+  assert _config(mesh_shape=[2, 1, 4]).mesh_shape == (2, 1, 4)
+  # The layout only needs the axis sizes: an abstract 8-device mesh.
+  mesh = AbstractMesh((2, 1, 4), ("data", "fsdp", "seq"))
+  spec = lambda shape, rules=LOGICAL_RULES: batch_sharding(mesh, rules, shape).spec
+  batch = ("data", "fsdp")
+  assert spec((8, 16)) == P(batch, "seq")          # [batch, length]: the length over seq
+  assert spec((8,)) == P(batch)                    # [batch]: rows only
+  assert spec((8, 3, 16)) == P(batch, None, None)  # not [batch, length]: rows only
+  assert spec((8, 6)) == P(batch, None)            # a length that does not divide stays whole
+  assert spec(()) == P()
+  # Run configs written before the `length` rule existed keep whole sequences.
+  old = tuple(r for r in LOGICAL_RULES if r[0] != "length")
+  assert spec((8, 16), old) == P(batch, None)
+  assert seq_axis(mesh) == "seq" and seq_axis(make_mesh((-1, 1))) is None
 
 
 def test_run_config_round_trip(tmp_path):
@@ -234,8 +274,8 @@ class _MaskedLMTask(Task):
   """A second task through the same loop, sharding and checkpoints: masked-token prediction with
   `LongformerForMaskedLM`, whose dropout layers keep RNG streams (non-parameter state)."""
 
-  def build_model(self, config, rngs):
-    return LongformerForMaskedLM(config, rngs=rngs)
+  def build_model(self, config, rngs, mesh=None, seq_axis=None):
+    return LongformerForMaskedLM(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
 
   def loss(self, model, batch, stage, dropout_key):
     nnx.reseed(model, dropout=dropout_key)

@@ -1,12 +1,15 @@
-"""train/charlm.py: config files load, --set overrides reach any field and reject bad ones."""
+"""train/charlm.py: config files load, --set overrides reach any field and reject bad ones, the
+distributed flags reach `jax.distributed.initialize`."""
 
+import argparse
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
 from longformer_jax.training import TrainConfig
-from train.charlm import apply_overrides, load_config
+from train.charlm import add_distributed_args, apply_overrides, initialize_distributed, load_config
 
 CONFIGS = Path(__file__).parents[1] / "train" / "configs"
 
@@ -54,3 +57,41 @@ def test_overrides_walk_dataclasses_tuples_and_dicts():
 def test_bad_overrides_name_the_problem(assignment, match):
   with pytest.raises(ValueError, match=match):
     apply_overrides(load_config(str(CONFIGS / "char_small.py")), [assignment])
+
+
+_JAX_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+            "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS")
+
+
+def _initialize(monkeypatch, argv, **env):
+  """(kwargs of jax.distributed.initialize or None, config updates) for the CLI flags `argv`."""
+  calls, updates = [], []
+  monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  monkeypatch.setattr(jax.config, "update", lambda name, value: updates.append((name, value)))
+  for name in _JAX_ENV:
+    monkeypatch.delenv(name, raising=False)
+  for name, value in env.items():
+    monkeypatch.setenv(name, value)
+  parser = argparse.ArgumentParser()
+  add_distributed_args(parser)
+  initialize_distributed(parser.parse_args(argv))
+  assert len(calls) <= 1
+  return (calls[0] if calls else None), updates
+
+
+def test_distributed_flags_and_environment_reach_jax(monkeypatch):
+  gloo = [("jax_cpu_collectives_implementation", "gloo")]  # the tests run on the CPU
+  argv = ["--distributed", "on", "--coordinator-address", "localhost:1234", "--num-processes",
+          "2", "--process-id", "1"]
+  assert _initialize(monkeypatch, argv) == (
+      dict(coordinator_address="localhost:1234", num_processes=2, process_id=1), gloo)
+  # jax 0.12 reads only the coordinator address from the environment; the other two are ours.
+  env = dict(JAX_COORDINATOR_ADDRESS="host:9", JAX_NUM_PROCESSES="4", JAX_PROCESS_ID="3")
+  assert _initialize(monkeypatch, [], **env) == (
+      dict(coordinator_address="host:9", num_processes=4, process_id=3), gloo)
+  # A TPU slice (or SLURM, Open MPI): JAX finds everything itself.
+  assert _initialize(monkeypatch, ["--distributed", "on"]) == ({}, gloo)
+  assert _initialize(monkeypatch, []) == (None, [])
+  assert _initialize(monkeypatch, ["--distributed", "off"], **env) == (None, [])
+  with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not an integer"):
+    _initialize(monkeypatch, ["--distributed", "on"], JAX_PROCESS_ID="one")

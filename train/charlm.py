@@ -8,6 +8,11 @@ Any config field can be overridden with `--set path=value` (dots walk into datac
 and dicts; values are Python literals, else strings). Rerunning the same command resumes from the
 latest checkpoint in the workdir. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
 checkpoints/ and results.json (the final test BPC).
+
+Several processes (e.g. on one machine, or hosts that JAX cannot discover by itself) run the same
+command with `--distributed on --coordinator-address HOST:PORT --num-processes P --process-id I`
+(I = 0..P-1; process 0 listens on PORT), or with the environment variables JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID. `--data-file` trains on any file's bytes (no dataset).
 """
 
 from __future__ import annotations
@@ -73,6 +78,43 @@ def apply_overrides(cfg, assignments: list[str]):
   return cfg
 
 
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+  """--distributed and the three values `training.maybe_initialize_distributed` passes on."""
+  parser.add_argument("--distributed", default="auto", choices=("auto", "on", "off"),
+                      help="jax.distributed.initialize(): 'on' in every process of a "
+                           "multi-process run; 'auto' does it when the arguments or the "
+                           "environment name a cluster")
+  parser.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                      help="process 0's address (default: $JAX_COORDINATOR_ADDRESS; found "
+                           "automatically on TPU slices, SLURM and Open MPI)")
+  parser.add_argument("--num-processes", type=int, default=None,
+                      help="processes in the run (default: $JAX_NUM_PROCESSES or detected)")
+  parser.add_argument("--process-id", type=int, default=None,
+                      help="this process, 0..num_processes-1 (default: $JAX_PROCESS_ID or "
+                           "detected)")
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+  """`training.maybe_initialize_distributed` with the flags of `add_distributed_args`."""
+  from longformer_jax import training  # pylint: disable=g-import-not-at-top
+  training.maybe_initialize_distributed(
+      args.distributed, coordinator_address=args.coordinator_address,
+      num_processes=args.num_processes, process_id=args.process_id)
+
+
+def split_of_file(path: str, split: str):
+  """`split` ("train", "validation", "test") of a file's bytes: the first 90%, the next 5%, the
+  rest, as the corpora are split."""
+  # pylint: disable=g-import-not-at-top
+  import numpy as np
+  from etils import epath
+  from longformer_jax.data.corpora import split_bounds
+  # pylint: enable=g-import-not-at-top
+  data = np.frombuffer(epath.Path(path).read_bytes(), np.uint8)
+  start, stop = split_bounds(len(data))[split]
+  return data[start:stop].copy()
+
+
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -82,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="override a config field, e.g. --set stages.0.steps=100")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   parser.add_argument("--skip-final-eval", action="store_true")
-  parser.add_argument("--distributed", default="auto", choices=("auto", "on", "off"),
-                      help="jax.distributed.initialize(): 'on' for every host of a multi-host "
-                           "TPU slice; 'auto' does it when the environment names a cluster")
+  parser.add_argument("--data-file", default=None,
+                      help="train, validate and test on this file's bytes (split 90/5/5) "
+                           "instead of the config's dataset")
+  add_distributed_args(parser)
   args = parser.parse_args(argv)
 
   # Import JAX only now: --help works anywhere, and a pod slice initialises before any device use.
@@ -92,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
   from etils import epath  # pylint: disable=g-import-not-at-top
   from longformer_jax import training  # pylint: disable=g-import-not-at-top
   from longformer_jax.io import atomic_write  # pylint: disable=g-import-not-at-top
-  training.maybe_initialize_distributed(args.distributed)
+  initialize_distributed(args)
 
   cfg = apply_overrides(load_config(args.config), args.set)
   workdir = epath.Path(args.workdir or Path("runs") / Path(args.config).stem)
@@ -101,12 +144,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
     print(f"workdir: {workdir}")
   mesh = training.make_mesh(cfg.mesh_shape)
+  data = {}
+  if args.data_file is not None:
+    data = {"train_data": split_of_file(args.data_file, "train"),
+            "valid_data": split_of_file(args.data_file, "validation")}
   start = time.perf_counter()
-  summary = training.train(cfg, workdir, mesh=mesh, progress=not args.no_progress)
+  summary = training.train(cfg, workdir, mesh=mesh, progress=not args.no_progress, **data)
   train_minutes = (time.perf_counter() - start) / 60
   if summary["status"] != "done":
     return 0  # preempted: the checkpoint is saved; rerun the same command to resume
-  results = {"config": args.config, "overrides": args.set, "steps": summary["step"],
+  results = {"config": args.config, "overrides": args.set, "data_file": args.data_file,
+             "steps": summary["step"],
              "final_train_loss": summary["last_loss"], "valid_bpc": summary.get("valid_bpc"),
              "train_minutes_this_run": round(train_minutes, 2)}
   if cfg.final_eval is not None and not args.skip_final_eval:
@@ -116,12 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     # pylint: enable=g-import-not-at-top
     eval_args = dict(cfg.final_eval)
     split = eval_args.pop("split", "test")
-    data = load_split(cfg.dataset, split, cfg.data_dir)
+    if args.data_file is not None:
+      source, data = args.data_file, split_of_file(args.data_file, split)
+    else:
+      source, data = cfg.dataset, load_split(cfg.dataset, split, cfg.data_dir)
     result = evaluate_run(workdir, data, mesh=mesh, progress=not args.no_progress, **eval_args)
     results.update({f"{split}_bpc": result["bpc"],
-                    "eval": {"dataset": cfg.dataset, "split": split, **result}})
+                    "eval": {"dataset": source, "split": split, **result}})
     if is_main:
-      print(f"{cfg.dataset} {split}: {describe(result)}")
+      print(f"{source} {split}: {describe(result)}")
   if is_main:
     atomic_write(workdir / "results.json", json.dumps(results, indent=2) + "\n")
     print(json.dumps(results, indent=2))

@@ -6,6 +6,7 @@ Each fast path sits beside its plainly-correct reference:
   band_reference.py  dense reference of the band-kernel contract
   band_chunked.py    blocked-einsum band kernel
   band_pallas*.py    Pallas band kernels (GPU / TPU; interpret mode on CPU)
+  sequence_parallel.py  collectives of the op with the sequence split over a mesh axis
 
 The shape alphabet, declared here once and followed by every tensor name in the package
 (`q_BxNxHxD`, `scores_BxHxNxW`; docs/design.md §4):

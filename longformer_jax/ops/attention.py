@@ -10,6 +10,10 @@ The composition (docs/design.md §2.1-2.2), shared by every band kernel:
   4. the global rows are overwritten by a dense [globals x seq] pass with the global projections;
   5. padding queries are zeroed.
 The `"reference"` implementation bypasses all of this and computes the masks densely.
+
+On a mesh (§2.6) the composition runs per shard inside `shard_map` (`_on_mesh`); with a
+sequence axis, `_compose_sequence_shard` adds the halo exchange and the cross-shard global
+tokens of `sequence_parallel.py`.
 """
 
 from __future__ import annotations
@@ -20,8 +24,11 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
 
+from longformer_jax.ops import sequence_parallel as sp
 from longformer_jax.ops.band_chunked import band_attention_chunked
 from longformer_jax.ops.band_reference import masked_softmax_attention
 from longformer_jax.ops.reference import dense_attention
@@ -32,35 +39,54 @@ IMPLS = ("reference", "chunked", "pallas")
 BandKernel = Callable[..., tuple[jax.Array, jax.Array]]
 
 
-def _pallas_band_kernel(interpret: bool) -> BandKernel:
-  from longformer_jax.ops import band_pallas  # Lazy: Pallas imports are heavy and optional.
-  return functools.partial(band_pallas.band_attention_pallas, interpret=interpret)
+# Platforms with a Pallas band kernel: the TPU (Mosaic) kernel, the GPU (Triton) kernel, and CPU,
+# where the Triton kernel runs in interpret mode (tests, small shapes).
+KERNEL_PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 
 
-def _pallas_available(q, window: int) -> bool:
+def platform_of(mesh: Mesh | None) -> str:
+  """The platform the op compiles for: the mesh's devices', else the default backend.
+
+  From the mesh, not `jax.default_backend()`: a program compiled ahead of time for a TPU slice
+  from a CPU host (docs/design.md §5.1) must contain the TPU kernel, not the interpret path.
+  """
+  if mesh is None:
+    return jax.default_backend()
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh")
+  return mesh.devices.flat[0].platform
+
+
+def _pallas_available(q, window: int, platform: str) -> bool:
   try:
-    from longformer_jax.ops import band_pallas
+    from longformer_jax.ops import band_pallas  # Lazy: Pallas imports are heavy and optional.
   except ImportError:
     return False
-  return band_pallas.pallas_supported(q.shape, q.dtype, window, jax.default_backend())
+  return band_pallas.pallas_supported(q.shape, q.dtype, window, platform)
 
 
-def resolve_impl(impl: str, q, window: int) -> str:
-  """'auto' -> the fastest implementation that can take these inputs on this backend."""
+def resolve_impl(impl: str, q, window: int, platform: str | None = None) -> str:
+  """'auto' -> the fastest implementation that can take these inputs on `platform` (default:
+  the default backend's)."""
   if impl not in IMPLS + ("auto",):
     raise ValueError(f"impl={impl!r}; expected one of {IMPLS + ('auto',)}")
+  platform = jax.default_backend() if platform is None else platform
+  if impl == "pallas" and platform not in KERNEL_PLATFORMS:
+    raise ValueError(f"impl='pallas': platform {platform!r} has no Pallas band kernel "
+                     f"(kernels for {KERNEL_PLATFORMS}); use impl='chunked'")
   if impl != "auto":
     return impl
-  if jax.default_backend() in ("gpu", "tpu") and _pallas_available(q, window):
+  if platform in ("gpu", "cuda", "tpu") and _pallas_available(q, window, platform):
     return "pallas"
   return "chunked"
 
 
-def _band_kernel(impl: str) -> BandKernel:
+def _band_kernel(impl: str, platform: str) -> BandKernel:
   if impl == "chunked":
     return band_attention_chunked
-  # On CPU the Pallas kernel runs in interpret mode (tests, small shapes).
-  return _pallas_band_kernel(interpret=jax.default_backend() == "cpu")
+  from longformer_jax.ops import band_pallas  # Lazy: Pallas imports are heavy and optional.
+  return functools.partial(band_pallas.band_attention_pallas, interpret=platform == "cpu",
+                           backend="tpu" if platform == "tpu" else "triton")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,33 +147,180 @@ def _gather_rows(x_BxNxHxD, idx_BxG):
   return jnp.take_along_axis(x_BxNxHxD, idx_BxG[:, :, None, None], axis=1)
 
 
-def _with_globals(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
-                  num_global):
-  """Steps 3-4 of the module docstring."""
-  idx_BxG, valid_BxG, overflow_B = _global_slots(global_mask, num_global)
-  # 3. Every query over the global keys, local projections: [B, H, N, G].
-  k_glob = _gather_rows(k, idx_BxG)
-  v_glob = _gather_rows(v, idx_BxG)
+def _merge_band_and_global_keys(band_out, band_lse, q, k_glob, v_glob, valid_BxG):
+  """Step 3: every query over the global keys (local projections), merged with the band by LSE.
+  Returns float32 [B, N, H, D]."""
   glob_out, glob_lse, _ = masked_softmax_attention(q, k_glob, v_glob, valid_BxG[:, None, None, :])
   lse_BxHxN = jnp.logaddexp(band_lse, glob_lse)
   w_band = jnp.exp(band_lse - lse_BxHxN).transpose(0, 2, 1)[..., None]  # [B, N, H, 1]
   w_glob = jnp.exp(glob_lse - lse_BxHxN).transpose(0, 2, 1)[..., None]
-  out = (w_band * band_out.astype(jnp.float32) + w_glob * glob_out.astype(jnp.float32))
+  return w_band * band_out.astype(jnp.float32) + w_glob * glob_out.astype(jnp.float32)
 
-  # 4. Global queries over every real key, global projections: [B, H, G, N].
+
+def _scatter_global_rows(out, rows_BxGxHxD, idx_BxG, valid_BxG, overflow_B):
+  """Step 4's rows written over the global positions; rows beyond max_global poison with NaN."""
+  scatter_idx = jnp.where(valid_BxG, idx_BxG, out.shape[1])  # filler slots point past the end
+  batch_idx = jnp.arange(out.shape[0])[:, None]
+  out = out.at[batch_idx, scatter_idx].set(rows_BxGxHxD.astype(jnp.float32), mode="drop")
+  return jnp.where(overflow_B[:, None, None, None], jnp.nan, out)
+
+
+def _with_globals(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
+                  num_global):
+  """Steps 3-4 of the module docstring."""
+  idx_BxG, valid_BxG, overflow_B = _global_slots(global_mask, num_global)
+  out = _merge_band_and_global_keys(band_out, band_lse, q, _gather_rows(k, idx_BxG),
+                                    _gather_rows(v, idx_BxG), valid_BxG)
+  # 4. Global queries over every real key, global projections: [B, G, H, D].
   q_g, k_g, v_g = global_qkv
   gq_out, _, _ = masked_softmax_attention(_gather_rows(q_g, idx_BxG), k_g, v_g,
                                           attention_mask[:, None, None, :])
+  return _scatter_global_rows(out, gq_out, idx_BxG, valid_BxG, overflow_B)
+
+
+def _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
+             dilations, causal, num_global):
+  """Steps 1-5 of the module docstring on whole sequences (one device, or one batch shard)."""
+  key_mask = attention_mask if global_mask is None else attention_mask & ~global_mask
+  out, lse = _band_all_heads(band_kernel, q, k, v, key_mask, window=window,
+                             dilations=dilations, causal=causal)
+  if global_mask is not None:
+    out = _with_globals(out, lse, q, k, v, global_qkv, attention_mask, global_mask, num_global)
+  return jnp.where(attention_mask[:, :, None, None], out, 0)
+
+
+def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *,
+                            window, dilations, causal, num_global, axis_name, num_shards):
+  """Steps 1-5 on one shard of the sequence (inside shard_map; docs/design.md §2.6).
+
+  The band: keys, values and the key mask are extended by the `window * dilation` rows each side
+  that this shard's queries can reach (`halo_exchange`); the band kernel runs on the extended
+  rows with zero queries in the halo, whose outputs are dropped (exact: a dropped row gets a
+  zero cotangent, so it adds nothing to dK/dV). The band structure is translation invariant, so
+  dilation's residue classes need no global offset. Globals: see `_with_globals_sharded`.
+  """
+  n = q.shape[1]
+  # A shard never needs rows from further than the whole rest of the sequence.
+  reach = min(window * max(dilations), (num_shards - 1) * n)
+  left, right = reach, 0 if causal else reach
+  key_mask = attention_mask if global_mask is None else attention_mask & ~global_mask
+  extend = functools.partial(sp.halo_exchange, axis_name=axis_name, num_shards=num_shards,
+                             left=left, right=right)
+  k_ext, v_ext = extend(k), extend(v)
+  key_mask_ext = extend(key_mask.astype(jnp.int32)).astype(bool)  # beyond the ends: 0
+  q_ext = jnp.pad(q, ((0, 0), (left, right), (0, 0), (0, 0)))
+  out, lse = _band_all_heads(band_kernel, q_ext, k_ext, v_ext, key_mask_ext, window=window,
+                             dilations=dilations, causal=causal)
+  out, lse = out[:, left:left + n], lse[:, :, left:left + n]
+  if global_mask is not None:
+    out = _with_globals_sharded(out, lse, q, k, v, global_qkv, attention_mask, global_mask,
+                                num_global, axis_name)
+  return jnp.where(attention_mask[:, :, None, None], out, 0)
+
+
+def _with_globals_sharded(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
+                          num_global, axis_name):
+  """Steps 3-4 with the sequence split over `axis_name`: each shard gathers the keys/values of
+  its own global tokens (up to num_global slots), the slots of all shards are all-gathered
+  (shards * num_global rows: never the full length), and the global rows are computed as
+  partial softmaxes over each shard's keys merged across shards."""
+  slots = min(num_global, q.shape[1])
+  idx_BxG, valid_BxG, _ = _global_slots(global_mask, slots)
+  overflow_B = lax.psum(jnp.sum(global_mask, axis=1), axis_name) > num_global
+  gather = functools.partial(sp.all_gather_slots, axis_name=axis_name)
+  valid_BxSG = gather(valid_BxG)
+  out = _merge_band_and_global_keys(band_out, band_lse, q, gather(_gather_rows(k, idx_BxG)),
+                                    gather(_gather_rows(v, idx_BxG)), valid_BxSG)
+  q_g, k_g, v_g = global_qkv
+  part_out, part_lse, _ = masked_softmax_attention(
+      gather(_gather_rows(q_g, idx_BxG)).astype(jnp.float32), k_g, v_g,
+      attention_mask[:, None, None, :])
+  gq_out = sp.merge_partial_softmax(part_out, part_lse, axis_name=axis_name)
+  return _scatter_global_rows(out, gq_out, idx_BxG, valid_BxG, overflow_B)
+
+
+# ----------------------------------------------------------------------------------------------
+# On a mesh.
+
+
+def _mesh_axes(mesh: Mesh, seq_axis, batch_axes, head_axis, q_shape):
+  """Checks the mesh axes against the inputs; returns (batch_axes, num_seq_shards)."""
+  names = tuple(mesh.axis_names)
+  for arg, axis in (("seq_axis", seq_axis), ("head_axis", head_axis)):
+    if axis is not None and axis not in names:
+      raise ValueError(f"{arg}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if seq_axis is not None and seq_axis == head_axis:
+    raise ValueError(f"seq_axis and head_axis are both {seq_axis!r}")
+  if batch_axes is None:  # every other axis splits the batch
+    batch_axes = tuple(a for a in names if a not in (seq_axis, head_axis))
+  else:
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+    for axis in batch_axes:
+      if axis not in names or axis in (seq_axis, head_axis):
+        raise ValueError(f"batch_axes={batch_axes}: {axis!r} is not a free axis of the mesh "
+                         f"{dict(mesh.shape)} (seq_axis={seq_axis!r}, head_axis={head_axis!r})")
+  batch, seq, heads, _ = q_shape
+  batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
+  if batch % batch_shards:
+    raise ValueError(f"batch {batch} does not divide over the mesh's batch axes {batch_axes} "
+                     f"({batch_shards} shards)")
+  if head_axis is not None and heads % mesh.shape[head_axis]:
+    raise ValueError(f"{heads} heads do not divide over head_axis={head_axis!r} "
+                     f"({mesh.shape[head_axis]} shards)")
+  seq_shards = 1 if seq_axis is None else mesh.shape[seq_axis]
+  if seq < seq_shards:
+    raise ValueError(f"sequence length {seq} is shorter than the {seq_shards} shards of "
+                     f"seq_axis={seq_axis!r}: every shard needs at least one token")
+  return batch_axes, seq_shards
+
+
+def _dilations_per_head_shard(dilations, mesh, head_axis):
+  """The dilations of one head shard: a shard's dilations are static, so every shard must have
+  the same pattern (e.g. (1, 2, 1, 2) over 2 shards is (1, 2) on each)."""
+  if head_axis is None:
+    return dilations
+  shards = mesh.shape[head_axis]
+  per_shard = np.asarray(dilations).reshape(shards, -1)
+  if not (per_shard == per_shard[0]).all():
+    raise ValueError(f"dilation={dilations} differs between the {shards} shards of "
+                     f"head_axis={head_axis!r}: each shard must hold the same dilations")
+  return tuple(int(d) for d in per_shard[0])
+
+
+def _on_mesh(compose, mesh, seq_axis, batch_axes, head_axis, seq_shards, q, k, v,
+             attention_mask, global_mask, global_qkv):
+  """Runs `compose` per shard under `shard_map`: Pallas kernels (Mosaic, Triton) are custom calls
+  that XLA cannot partition, so in a sharded program they must see per-device arrays."""
   seq = q.shape[1]
-  scatter_idx = jnp.where(valid_BxG, idx_BxG, seq)  # filler slots point past the end: dropped
-  batch_idx = jnp.arange(q.shape[0])[:, None]
-  out = out.at[batch_idx, scatter_idx].set(gq_out.astype(jnp.float32), mode="drop")
-  return jnp.where(overflow_B[:, None, None, None], jnp.nan, out)
+  # A length that does not divide: pad with masked-out tokens (their outputs are sliced off).
+  pad = -seq % seq_shards
+  if pad:
+    q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    if global_qkv is not None:
+      global_qkv = tuple(jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in global_qkv)
+    attention_mask = jnp.pad(attention_mask, ((0, 0), (0, pad)))
+    if global_mask is not None:
+      global_mask = jnp.pad(global_mask, ((0, 0), (0, pad)))
+  batch = batch_axes if batch_axes else None
+  spec_BxNxHxD = P(batch, seq_axis, head_axis, None)
+  spec_BxN = P(batch, seq_axis)
+  args = (q, k, v, attention_mask, global_mask, global_qkv)
+  specs = (spec_BxNxHxD,) * 3 + (spec_BxN, spec_BxN if global_mask is not None else None,
+                                 (spec_BxNxHxD,) * 3 if global_qkv is not None else None)
+  # check_vma=False: pallas_call's outputs carry no varying-axes annotation (jax 0.12 asks for
+  # one per out_shape, jax 0.11 has none). The collectives used (ppermute, all_gather,
+  # psum_scatter) transpose the same either way.
+  out = jax.shard_map(compose, mesh=mesh, in_specs=specs, out_specs=spec_BxNxHxD,
+                      check_vma=False)(*args)
+  return out[:, :seq]
 
 
 def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = False,
                          attention_mask=None, global_mask=None, global_qkv=None,
-                         impl: str = "auto", max_global: int | None = None) -> jax.Array:
+                         impl: str = "auto", max_global: int | None = None,
+                         mesh: Mesh | None = None, seq_axis: str | None = None,
+                         batch_axes: str | tuple[str, ...] | None = None,
+                         head_axis: str | None = None) -> jax.Array:
   """Longformer self-attention (docs/design.md §1): sliding window + dilation + symmetric global.
 
   Args:
@@ -166,6 +339,16 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
     max_global: static upper bound on global tokens per row. Needed only when global_mask is a
       traced value (inside jit or vmap); otherwise the exact count is read from the mask. A row
       with more global tokens than this outputs NaN instead of silently dropping them.
+    mesh: the device mesh the inputs are laid out on (None: one device, or let XLA partition the
+      chunked path). Given a mesh, the band runs per shard inside `shard_map`, and the platform
+      (which kernel, interpret mode or not) is the mesh devices', so compiling ahead of time
+      for a TPU from a CPU host gets the TPU kernel.
+    seq_axis: the mesh axis the sequence is split over (sequence parallelism, §2.6): each shard
+      fetches the `window * dilation` neighbouring keys/values its queries see, and the global
+      tokens' keys/values; the result equals the unsplit op's. None: sequences are whole on
+      every device.
+    batch_axes: the mesh axes the batch is split over (default: every axis other than seq_axis
+      and head_axis); head_axis: the axis heads are split over (default: none).
 
   Returns:
     [batch, seq, heads, head_dim] in the dtype of q.
@@ -173,17 +356,27 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
   dilations, attention_mask, global_mask, global_qkv, num_global = validate_attention_args(
       q, k, v, window=window, dilation=dilation, causal=causal, attention_mask=attention_mask,
       global_mask=global_mask, global_qkv=global_qkv, max_global=max_global)
-  impl = resolve_impl(impl, q, window)
-  if impl == "reference":
+  if mesh is None and (seq_axis, batch_axes, head_axis) != (None, None, None):
+    raise ValueError(f"seq_axis={seq_axis!r}, batch_axes={batch_axes!r}, "
+                     f"head_axis={head_axis!r} name mesh axes, but mesh=None")
+  platform = platform_of(mesh)
+  impl = resolve_impl(impl, q, window, platform)
+  if impl == "reference":  # dense, for tests: XLA partitions it on a mesh
     return dense_attention(q, k, v, window=window, dilations=dilations, causal=causal,
                            attention_mask=attention_mask, global_mask=global_mask,
                            global_qkv=global_qkv)
-
-  band_kernel = _band_kernel(impl)
-  key_mask = attention_mask if global_mask is None else attention_mask & ~global_mask
-  out, lse = _band_all_heads(band_kernel, q, k, v, key_mask, window=window,
-                             dilations=dilations, causal=causal)
-  if global_mask is not None:
-    out = _with_globals(out, lse, q, k, v, global_qkv, attention_mask, global_mask, num_global)
-  out = jnp.where(attention_mask[:, :, None, None], out, 0)
+  static = dict(window=window, dilations=dilations, causal=causal, num_global=num_global)
+  band_kernel = _band_kernel(impl, platform)
+  if mesh is None:
+    out = _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, **static)
+  else:
+    batch_axes, seq_shards = _mesh_axes(mesh, seq_axis, batch_axes, head_axis, q.shape)
+    static["dilations"] = _dilations_per_head_shard(dilations, mesh, head_axis)
+    if seq_axis is None:
+      compose = functools.partial(_compose, band_kernel, **static)
+    else:
+      compose = functools.partial(_compose_sequence_shard, band_kernel, **static,
+                                  axis_name=seq_axis, num_shards=seq_shards)
+    out = _on_mesh(compose, mesh, seq_axis, batch_axes, head_axis, seq_shards, q, k, v,
+                   attention_mask, global_mask, global_qkv)
   return out.astype(q.dtype)

@@ -16,7 +16,9 @@ Two kernel families share the wrapper here (padding, block bounds, custom_vjp):
   (grid over query blocks, loop as in the forward); delta = rowsum(out * dout) - dlse is a small
   XLA reduction outside the kernels.
 * backend="tpu" (`band_pallas_tpu.py`): Mosaic TPU kernels with the band walked by a grid axis
-  whose index maps clamp to the band, VMEM scratch accumulators, [B, H, N, D] layout.
+  whose index maps clamp to the band, VMEM scratch accumulators; q, k, v stay [B, N, H, D], seen
+  as [B, N, H*D] with heads in lane-dense groups (the heads are zero-padded to a multiple of
+  `band_pallas_tpu.head_group(head_dim)`, exact like the head_dim padding).
 
 Why Triton and not Mosaic GPU for the GPU kernel: the Pallas Triton backend lowers for the
 target (jax 0.11.2 and 0.12, checked from CPU) and its kernels run in interpret mode on CPU, so
@@ -449,8 +451,8 @@ def _triton_backward(q, k, v, mask_BxN, do, lse_BxHxN, delta_BxHxN, cfg: "_Confi
 
 
 # ---------------------------------------------------------------------------------------------
-# custom_vjp shared by both backends. Inputs are already padded (seq a multiple of every block)
-# and in the backend's layout: [B, N, H, D] for triton, [B, H, N, D] for tpu.
+# custom_vjp shared by both backends. Inputs are already padded (seq a multiple of every block;
+# for tpu, heads a multiple of the head group), [B, N, H, D] for both.
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
@@ -490,17 +492,13 @@ def _band_padded_bwd(cfg, residuals, cotangents):
 def _backward_impl(q, k, v, mask_BxN, out, lse_BxHxN, dout, dlse_BxHxN, cfg):
   # delta_i = sum_d out_id * dout_id - dlse_i: with it ds = P * (dP - delta) carries both the
   # out and the lse cotangent (d lse_i / d s_ij = P_ij).
-  rowdot = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
-  if cfg.backend != "tpu":
-    rowdot = jnp.swapaxes(rowdot, 1, 2)  # [B, N, H] -> [B, H, N]
-  delta_BxHxN = rowdot - dlse_BxHxN.astype(jnp.float32)
-  if cfg.backend == "tpu":
+  if cfg.backend == "tpu":  # The TPU dQ kernel computes delta itself (see band_pallas_tpu).
     from longformer_jax.ops import band_pallas_tpu  # pylint: disable=g-import-not-at-top
-    dq, dk, dv = band_pallas_tpu.backward(q, k, v, mask_BxN, dout, lse_BxHxN, delta_BxHxN, cfg)
-  else:
-    dq, dk, dv = _triton_backward(q, k, v, mask_BxN, dout.astype(q.dtype), lse_BxHxN,
-                                  delta_BxHxN, cfg)
-  return dq, dk, dv
+    return band_pallas_tpu.backward(q, k, v, mask_BxN, out, dout, lse_BxHxN, dlse_BxHxN, cfg)
+  rowdot = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
+  rowdot = jnp.swapaxes(rowdot, 1, 2)  # [B, N, H] -> [B, H, N]
+  delta_BxHxN = rowdot - dlse_BxHxN.astype(jnp.float32)
+  return _triton_backward(q, k, v, mask_BxN, dout.astype(q.dtype), lse_BxHxN, delta_BxHxN, cfg)
 
 
 _band_padded.defvjp(_band_padded_fwd, _band_padded_bwd)
@@ -544,9 +542,12 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool,
                                                       limit)
   check_supported(q.shape, q.dtype, window, backend, block_sizes)
 
+  pad_heads = 0
   if backend == "tpu":
     from longformer_jax.ops import band_pallas_tpu  # pylint: disable=g-import-not-at-top
     block_sizes = band_pallas_tpu.fit_blocks(block_sizes, seq)
+    # Zero heads, like zero features, attend and output nothing that is kept (sliced off).
+    pad_heads = -heads % band_pallas_tpu.head_group(kernel_head_dim(head_dim, backend))
   multiple = max(block_sizes.all_sizes())  # powers of two: the max is a common multiple
   padded = -(-seq // multiple) * multiple
   # The band never reaches further than the padded length, and a clamp keeps int32 bounds safe.
@@ -557,10 +558,6 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool,
   pad = padded - seq
   pad_dim = kernel_head_dim(head_dim, backend) - head_dim  # zero features: exact (see above)
   mask_BxN = jnp.pad(key_mask.astype(jnp.int32), ((0, 0), (0, pad)))  # padded keys masked out
-  q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, pad_dim))) for x in (q, k, v))
-  if backend == "tpu":
-    q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, N, D] for Mosaic tiles
+  q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, pad_heads), (0, pad_dim))) for x in (q, k, v))
   out, lse_BxHxN = _band_padded(q, k, v, mask_BxN, cfg)
-  if backend == "tpu":
-    out = jnp.swapaxes(out, 1, 2)
-  return out[:, :seq, :, :head_dim], lse_BxHxN[:, :, :seq]
+  return out[:, :seq, :heads, :head_dim], lse_BxHxN[:, :heads, :seq]

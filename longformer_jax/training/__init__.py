@@ -2,7 +2,7 @@
 
   config     Stage, TrainConfig, paper_stages, run_config.json
   schedule   the learning-rate schedule and the optimizer
-  sharding   the (data, fsdp) mesh, logical axis rules, parameter and batch shardings
+  sharding   the (data, fsdp, seq) mesh, logical axis rules, parameter and batch shardings
   metrics    metrics.jsonl / TensorBoard and the curves plot
   task       Task: what a model family supplies (model, loss, batches, validation)
   charlm     CharLMTask: the character-level LM

@@ -38,8 +38,9 @@ class CharLMTask(Task):
         raise ValueError(f"stages[{i}].windows has {len(stage.windows)} entries for a "
                          f"{cfg.model.num_hidden_layers}-layer model: {stage.windows}")
 
-  def build_model(self, config: CharLMConfig, rngs: nnx.Rngs) -> LongformerForCausalLM:
-    return LongformerForCausalLM(config, rngs=rngs)
+  def build_model(self, config: CharLMConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
+                  seq_axis: str | None = None) -> LongformerForCausalLM:
+    return LongformerForCausalLM(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
 
   def loss(self, model, batch, stage: Stage, dropout_key: jax.Array) -> jax.Array:
     # stage.windows None: the model config's windows.

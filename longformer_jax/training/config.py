@@ -14,7 +14,7 @@ from etils import epath
 from longformer_jax import config as model_configs
 from longformer_jax.config import CharLMConfig, check_windows
 from longformer_jax.io import atomic_write
-from longformer_jax.training.sharding import LOGICAL_RULES
+from longformer_jax.training.sharding import LOGICAL_RULES, check_mesh_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +54,8 @@ class TrainConfig:
 
   model: the model's config (any config class of `longformer_jax.config`; the task checks that
     it is one it can train, e.g. `CharLMConfig` for the char LM).
-  mesh_shape: (data, fsdp) device counts; -1 takes the devices left over.
+  mesh_shape: (data, fsdp) or (data, fsdp, seq) device counts (seq: how many pieces each
+    sequence is split into; 1 when omitted); one of them may be -1: the devices left over.
   microbatch_size: sequences per gradient-accumulation step (global); None: no accumulation.
   eval_tokens: validation tokens scored at each evaluation; None: the whole split.
   final_eval: keyword arguments of the evaluation that the entry point runs after training
@@ -71,7 +72,7 @@ class TrainConfig:
   adam_b2: float = 0.98
   adam_eps: float = 1e-8
   microbatch_size: int | None = None
-  mesh_shape: tuple[int, int] = (-1, 1)
+  mesh_shape: tuple[int, ...] = (-1, 1)
   logical_rules: tuple[tuple[str, Any], ...] = LOGICAL_RULES
   log_every: int = 1
   eval_every: int = 500
@@ -89,9 +90,7 @@ class TrainConfig:
       if self.microbatch_size is not None and stage.batch_size % self.microbatch_size:
         raise ValueError(f"stages[{i}].batch_size={stage.batch_size} is not a multiple of "
                          f"microbatch_size={self.microbatch_size}")
-    if len(self.mesh_shape) != 2 or any(d == 0 or d < -1 for d in self.mesh_shape):
-      raise ValueError(f"mesh_shape must be (data, fsdp) with positive sizes or -1, "
-                       f"got {self.mesh_shape}")
+    object.__setattr__(self, "mesh_shape", check_mesh_shape(self.mesh_shape))
     for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
       if getattr(self, name) < 1:
         raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")

@@ -1,8 +1,10 @@
 """Staged, mesh-sharded training of any model a `Task` describes, with exact Orbax resume.
 
 The loop in one paragraph (`train`):
-  1. Mesh (data, fsdp) from the config; parameter shardings from the model's logical axis names
-     and `TrainConfig.logical_rules`; the batch is split over both axes.
+  1. Mesh (data, fsdp, seq) from the config; parameter shardings from the model's logical axis
+     names and `TrainConfig.logical_rules`; the batch is split over data and fsdp, the length of
+     [batch, length] arrays over seq; the task builds its model with the mesh, so the attention
+     op runs per shard (and sequence-parallel when seq > 1).
   2. Resume order: the latest checkpoint under `<workdir>/checkpoints` gives the train state
      (float32 params and optimizer state restored straight into their shardings; the step) and
      the metadata (stage, the stage's batch iterator state). Without one, parameters are
@@ -14,7 +16,8 @@ The loop in one paragraph (`train`):
      loss stops the run *before* anything is saved (`NonFiniteLossError`), so the last
      checkpoint stays the last good one. The task's validation metrics every `eval_every` steps
      and at the end. Checkpoints every `checkpoint_every` steps, at stage ends and at the end,
-     asynchronously; SIGTERM (a preempted TPU VM) saves and returns.
+     asynchronously; SIGTERM (a preempted TPU VM) saves and returns. With several processes
+     all of them save and return after the same step, whichever of them got the signal.
 
 Everything random is a function of (seed, step): initialisation, the batches (the task's
 iterators are) and the dropout keys (`fold_in(seed, step)`, then `fold_in(., microbatch)`), so a
@@ -46,7 +49,8 @@ from longformer_jax.training.charlm import CharLMTask
 from longformer_jax.training.config import Stage, TrainConfig, write_run_config
 from longformer_jax.training.metrics import MetricsLog, plot_curves
 from longformer_jax.training.schedule import learning_rate_schedule, make_optimizer
-from longformer_jax.training.sharding import batch_sharding, make_mesh, param_shardings
+from longformer_jax.training.sharding import (batch_sharding, make_mesh, param_shardings,
+                                               row_group, seq_axis)
 from longformer_jax.training.task import Task
 
 
@@ -75,7 +79,11 @@ class Trainer:
     self.task.check(cfg)
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh_shape)
     self.optimizer = make_optimizer(cfg)
-    self._build = lambda: self.task.build_model(cfg.model, nnx.Rngs(cfg.seed))
+    # The seq axis is named to the model only when it splits sequences: with one piece there is
+    # nothing to exchange, and the op's plain per-shard path (the numbers of a mesh without a seq
+    # axis) is the cheaper one.
+    self._build = lambda: self.task.build_model(cfg.model, nnx.Rngs(cfg.seed), mesh=self.mesh,
+                                                seq_axis=seq_axis(self.mesh))
     self.graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(self._build), nnx.Param, ...)
     self.param_shardings = param_shardings(abstract_params, self.mesh, cfg.logical_rules)
     self.replicated = NamedSharding(self.mesh, P())
@@ -86,12 +94,21 @@ class Trainer:
         transform_non_params=lambda _: self.replicated)
     self.state_shardings = TrainState(step=self.replicated, params=self.param_shardings,
                                       opt_state=opt_shardings)
-    self.batch_sharding = batch_sharding(self.mesh, cfg.logical_rules)
-    # The model's other state (e.g. the RNG streams of nnx.Dropout layers): not trained and not
-    # checkpointed, a function of the seed.
-    self.rest = jax.jit(lambda: nnx.split(self._build(), nnx.Param, ...)[2],
-                        out_shardings=self.replicated)()
+    self._rest = None
     self._steps = {}
+    self._jitted = {}
+
+  def _build_rest(self):
+    return nnx.split(self._build(), nnx.Param, ...)[2]
+
+  @property
+  def rest(self):
+    """The model's other state (e.g. the RNG streams of nnx.Dropout layers): not trained and not
+    checkpointed, a function of the seed. Built on first use, so that a Trainer on a mesh of
+    devices that cannot run (ahead-of-time compilation, `lower_train_step`) never runs it."""
+    if self._rest is None:
+      self._rest = jax.jit(self._build_rest, out_shardings=self.replicated)()
+    return self._rest
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target of a checkpoint."""
@@ -124,7 +141,7 @@ class Trainer:
       def split(x):
         x_MxB = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
         return jax.lax.with_sharding_constraint(
-            x_MxB, NamedSharding(self.mesh, P(None, *self.batch_sharding.spec)))
+            x_MxB, NamedSharding(self.mesh, P(None, *self.batch_sharding(x.shape).spec)))
 
       def body(carry, xs):
         loss_sum, grad_sum = carry
@@ -146,25 +163,64 @@ class Trainer:
                "learning_rate": learning_rate_schedule(self.cfg)(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-  def train_step(self, stage_index: int) -> Callable:
-    """The jitted step of a stage: (state, global batch) -> (state, metrics); donates state."""
-    if stage_index not in self._steps:
+  def batch_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
+    """The sharding of a global batch array of `shape` (`sharding.batch_sharding`)."""
+    return batch_sharding(self.mesh, self.cfg.logical_rules, shape)
+
+  def _jitted_step(self, stage_index: int, shapes: tuple[tuple[str, tuple[int, ...]], ...]):
+    # The batch's shardings depend on its arrays' shapes (only [batch, length] arrays are split
+    # over seq), which the task decides: one jit per stage and batch layout.
+    key = (stage_index, shapes)
+    if key not in self._jitted:
       stage = self.cfg.stages[stage_index]
       accum = 1 if self.cfg.microbatch_size is None else (
           stage.batch_size // self.cfg.microbatch_size)
-      step = jax.jit(
+      self._jitted[key] = jax.jit(
           functools.partial(self._train_step, stage=stage, accum=accum),
-          in_shardings=(self.state_shardings, self.batch_sharding, self.replicated),
+          in_shardings=(self.state_shardings,
+                        {name: self.batch_sharding(shape) for name, shape in shapes},
+                        self.replicated),
           out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-      self._steps[stage_index] = lambda state, batch: step(state, batch, self.rest)
+    return self._jitted[key]
+
+  def train_step(self, stage_index: int) -> Callable:
+    """The jitted step of a stage: (state, global batch) -> (state, metrics); donates state."""
+    if stage_index not in self._steps:
+      def step(state, batch):
+        shapes = tuple((name, tuple(x.shape)) for name, x in batch.items())
+        return self._jitted_step(stage_index, shapes)(state, batch, self.rest)
+      self._steps[stage_index] = step
     return self._steps[stage_index]
+
+  def lower_train_step(self, stage_index: int, batch: Mapping[str, jax.ShapeDtypeStruct]):
+    """The stage's step lowered on abstract state, batch and model state: ahead-of-time
+    compilation, e.g. for a TPU slice from a CPU host (`.compile().memory_analysis()`;
+    docs/design.md §5.1). Nothing is allocated or run.
+
+    batch: name -> ShapeDtypeStruct of each global batch array (shardings are added here).
+    """
+    shapes = tuple((name, tuple(x.shape)) for name, x in batch.items())
+    abstract_batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                 sharding=self.batch_sharding(x.shape))
+                      for name, x in batch.items()}
+    abstract_rest = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
+        jax.eval_shape(self._build_rest))
+    return self._jitted_step(stage_index, shapes).lower(self.abstract_state(), abstract_batch,
+                                                        abstract_rest)
 
   def global_batch(self, local: Mapping[str, np.ndarray], global_batch_size: int
                    ) -> dict[str, jax.Array]:
-    """This process's rows of every batch array -> the global arrays, split over the mesh."""
-    return {name: jax.make_array_from_process_local_data(
-                self.batch_sharding, x, (global_batch_size, *x.shape[1:]))
-            for name, x in local.items()}
+    """This process's rows of every batch array -> the global arrays, split over the mesh.
+
+    Processes split the batch dimension only: a process's local arrays are [the rows of its
+    `row_group`, full length, ...], and each device takes its piece of the length from them.
+    """
+    out = {}
+    for name, x in local.items():
+      shape = (global_batch_size, *x.shape[1:])
+      out[name] = jax.make_array_from_process_local_data(self.batch_sharding(shape), x, shape)
+    return out
 
   def save(self, manager, state: TrainState, meta: dict[str, Any]) -> None:
     checkpoint.save_train_state(manager, int(meta["step"]), state.params, state.opt_state, meta)
@@ -179,19 +235,57 @@ class Trainer:
     return TrainState(step=step_array, params=params, opt_state=opt_state), meta
 
 
-def maybe_initialize_distributed(mode: str = "auto") -> None:
-  """`jax.distributed.initialize()` before any device use: "on" (every host of a multi-host TPU
-  slice runs the same command; JAX finds its peers from the TPU metadata), "off", or "auto":
-  on when the environment names a cluster (several TPU workers, a coordinator address, or a
-  multi-task SLURM job)."""
+def maybe_initialize_distributed(mode: str = "auto", *, coordinator_address: str | None = None,
+                                 num_processes: int | None = None,
+                                 process_id: int | None = None) -> None:
+  """`jax.distributed.initialize(...)` before any device use.
+
+  mode: "on" (every process of the run calls it with the same command), "off", or "auto": on when
+  the arguments or the environment name a cluster (a coordinator address, several TPU workers, or
+  a multi-task SLURM job).
+
+  On a TPU slice, under SLURM or Open MPI, JAX finds its peers itself and the other arguments stay
+  None. Elsewhere (e.g. several processes on one machine) give all three, as arguments or as the
+  environment variables JAX_COORDINATOR_ADDRESS ("host:port" of process 0), JAX_NUM_PROCESSES and
+  JAX_PROCESS_ID. jax 0.12 reads only the first of these itself (and finds the other two only
+  from a detected cluster), so this function reads the other two.
+  """
   if mode not in ("auto", "on", "off"):
     raise ValueError(f"distributed mode must be 'auto', 'on' or 'off', got {mode!r}")
+  env = os.environ
+  coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
+  if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+    num_processes = _env_int("JAX_NUM_PROCESSES")
+  if process_id is None and env.get("JAX_PROCESS_ID"):
+    process_id = _env_int("JAX_PROCESS_ID")
   if mode == "auto":
-    mode = "on" if ("," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
-                    or os.environ.get("JAX_COORDINATOR_ADDRESS")
-                    or int(os.environ.get("SLURM_NTASKS", "1")) > 1) else "off"
-  if mode == "on":
-    jax.distributed.initialize()
+    mode = "on" if ("," in env.get("TPU_WORKER_HOSTNAMES", "") or coordinator_address
+                    or int(env.get("SLURM_NTASKS", "1")) > 1) else "off"
+  if mode == "off":
+    return
+  if _platforms_include_cpu():
+    # Collectives between CPU processes need an implementation: gloo (over TCP, through the
+    # distributed client) is jax 0.12's default but was none in older versions, where every
+    # cross-process computation fails. Named explicitly so the CPU runs do not depend on it.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  kwargs = dict(coordinator_address=coordinator_address, num_processes=num_processes,
+                process_id=process_id)
+  jax.distributed.initialize(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+def _env_int(name: str) -> int:
+  text = os.environ[name]
+  try:
+    return int(text)
+  except ValueError:
+    raise ValueError(f"environment variable {name}={text!r} is not an integer") from None
+
+
+def _platforms_include_cpu() -> bool:
+  # Read from the config (JAX_PLATFORMS), not from jax.devices(): that would start the backends,
+  # after which jax.distributed.initialize refuses to run. Unset: any platform, the CPU included.
+  platforms = jax.config.jax_platforms
+  return not platforms or "cpu" in platforms.split(",")
 
 
 class _Preemption:
@@ -218,12 +312,21 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self._previous)
 
 
-def _preempted_elsewhere(manager, step: int) -> bool:
-  # On a multi-host slice the hosts must agree on the step at which to save; JAX's preemption
-  # sync service (started by jax.distributed.initialize) tells every host the same step.
+def _any_process(flag: bool) -> bool:
+  """`flag` OR-ed over the processes, the same answer on every one (a collective: every process
+  must call it at the same point).
+
+  The processes of a run take every step together, so they must stop after the same step: one
+  that saved and returned alone would leave the others waiting in the next step's collectives.
+  SIGTERM reaches the processes at different moments (or only some of them), so the flag each
+  one sees is agreed here before acting on it. (JAX's own preemption sync manager cannot do this
+  here: it learns of SIGTERM through a C-level handler, which `_Preemption`'s Python handler
+  replaces.)
+  """
   if jax.process_count() == 1:
-    return False
-  return bool(manager.reached_preemption(step))
+    return flag
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
 
 
 def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
@@ -287,8 +390,10 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
         stage_start = cfg.stage_starts()[stage_index]
         if step >= stage_start + stage.steps:
           continue
-        batches = task.batches(cfg, stage_index, process_index=jax.process_index(),
-                               process_count=jax.process_count())
+        # Processes holding the same rows (a seq axis across hosts) read the same rows.
+        group, groups = row_group(trainer.batch_sharding((stage.batch_size, stage.seq_len)),
+                                  (stage.batch_size, stage.seq_len))
+        batches = task.batches(cfg, stage_index, process_index=group, process_count=groups)
         if step > stage_start:  # resumed inside this stage: the saved state is this stage's
           batches.load_state(batches_state)
         train_step = trainer.train_step(stage_index)
@@ -334,7 +439,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
                 pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
             tick = time.perf_counter()  # evaluation time is not training throughput
           summary["step"] = step
-          if preemption.requested or _preempted_elsewhere(manager, step):
+          if _any_process(preemption.requested):
             save(stage_index, batches)
             summary["status"] = "preempted"
             if is_main:

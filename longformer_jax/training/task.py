@@ -5,8 +5,8 @@ model; a task supplies the rest. `training.charlm.CharLMTask` is the character-l
 LM or a seq2seq task subclasses `Task` the same way, e.g.
 
     class MaskedLMTask(Task):
-      def build_model(self, config, rngs):
-        return LongformerForMaskedLM(config, rngs=rngs)
+      def build_model(self, config, rngs, mesh=None, seq_axis=None):
+        return LongformerForMaskedLM(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
       def loss(self, model, batch, stage, dropout_key):
         ...  # mean masked-token cross-entropy of batch["input_ids"], batch["labels"]
       def batches(self, cfg, stage_index, *, process_index, process_count):
@@ -14,7 +14,7 @@ LM or a seq2seq task subclasses `Task` the same way, e.g.
 
 Batches are dicts of NumPy arrays whose leading axis is this process's rows of the global batch
 (`stage.batch_size / process_count` of them); the loop assembles the global batch and splits it
-over the mesh's `batch` axes.
+over the mesh's `batch` axes, and the length of [batch, length] arrays over its seq axis.
 """
 
 from __future__ import annotations
@@ -56,8 +56,14 @@ class Task(abc.ABC):
     """Raises ValueError when `cfg` is not a run this task can train (default: accepts all)."""
 
   @abc.abstractmethod
-  def build_model(self, config: Any, rngs: nnx.Rngs) -> nnx.Module:
-    """A freshly initialised model of `config` (`TrainConfig.model`)."""
+  def build_model(self, config: Any, rngs: nnx.Rngs, mesh: Mesh | None = None,
+                  seq_axis: str | None = None) -> nnx.Module:
+    """A freshly initialised model of `config` (`TrainConfig.model`).
+
+    mesh, seq_axis: the training mesh and the axis that splits sequences (None: whole
+    sequences), for the model's attention (the `mesh` and `seq_axis` of the models'
+    constructors).
+    """
 
   @abc.abstractmethod
   def loss(self, model: nnx.Module, batch: Mapping[str, jax.Array], stage: Stage,
