@@ -10,13 +10,15 @@ scoring its last --stride predictions, the first window scoring all of its own) 
 come from <workdir>/run_config.json, written by train/charlm.py; only the parameters of the
 checkpoint are read. The same function (`evaluation.evaluate_run`) scores the test split after
 training. Prints the BPC and writes JSON (default <workdir>/bpc_<dataset>_<split>_<protocol>.json,
-or bpc_file_<name>_<protocol>.json with --file).
+or bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can
+be written. A result that is not finite (broken weights) is an error: exit status 1, no JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from train.charlm import add_distributed_args, initialize_distributed
@@ -70,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     name = f"{dataset}_{split}"
   if args.max_bytes is not None:
     data = data[:args.max_bytes]
+  out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
+  if jax.process_index() == 0:
+    _check_writable(out)  # before minutes of evaluation, not after
   result = evaluate_run(workdir, data, step=args.step, mesh=training.make_mesh((-1, 1)),
                         context=args.context, stride=args.stride, score_last=args.score_last,
                         batch_size=args.batch_size, protocol=args.protocol,
@@ -77,10 +82,24 @@ def main(argv: list[str] | None = None) -> int:
   result = {**source, **result, "workdir": str(workdir)}
   if jax.process_index() == 0:
     print(f"{name}: {describe(result)}")
-    out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
+    if not math.isfinite(result["bpc"]):
+      print(f"error: the result is not finite (bpc {result['bpc']}): the checkpoint's weights "
+            f"are not usable; nothing written", file=sys.stderr)
+      return 1
     atomic_write(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
-  return 0
+  return 0 if math.isfinite(result["bpc"]) else 1
+
+
+def _check_writable(path) -> None:
+  """Raises OSError naming `path` unless a file can be created beside it."""
+  probe = path.parent / f".{path.name}.write-check"
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    raise OSError(f"cannot write the output {path}: {e}") from None
 
 
 if __name__ == "__main__":

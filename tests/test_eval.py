@@ -95,3 +95,33 @@ def test_bad_arguments_name_the_values():
     evaluate_bpc(model, data, context=16, stride=32)
   with pytest.raises(ValueError, match="at least 2 bytes"):
     evaluate_bpc(model, data[:1], context=16, stride=4)
+
+
+def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, monkeypatch):
+  """eval.bpc: an unwritable --output fails before any evaluation; a NaN result exits 1 and
+  writes nothing (a checkpoint with broken weights must not look like a result)."""
+  from eval import bpc  # pylint: disable=g-import-not-at-top
+  import longformer_jax.evaluation as evaluation  # pylint: disable=g-import-not-at-top
+  text = tmp_path / "text.txt"
+  text.write_bytes(b"some bytes to score")
+  calls = []
+
+  def fake_evaluate_run(workdir, data, **kwargs):
+    calls.append(len(data))
+    return {"bpc": value, "protocol": kwargs["protocol"], "context": kwargs["context"],
+            "stride": kwargs["stride"], "bytes": len(data), "step": 7}
+
+  monkeypatch.setattr(evaluation, "evaluate_run", fake_evaluate_run)
+  args = ["--workdir", str(tmp_path / "run"), "--file", str(text), "--no-progress"]
+  blocker = tmp_path / "not_a_directory"
+  blocker.write_text("")
+  value = 1.5
+  with pytest.raises(OSError, match="cannot write the output .*not_a_directory"):
+    bpc.main(args + ["--output", str(blocker / "out.json")])
+  assert not calls
+  out = tmp_path / "out.json"
+  assert bpc.main(args + ["--output", str(out)]) == 0 and out.exists() and calls == [19]
+  out.unlink()
+  value = math.nan
+  assert bpc.main(args + ["--output", str(out)]) == 1
+  assert not out.exists()

@@ -6,7 +6,8 @@
 
 Any config field can be overridden with `--set path=value` (dots walk into dataclasses, tuples
 and dicts; values are Python literals, else strings). Rerunning the same command resumes from the
-latest checkpoint in the workdir. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
+latest checkpoint in the workdir; a run stopped by SIGTERM saves its step and exits with status
+75 (`EXIT_PREEMPTED`), 0 meaning the schedule finished. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
 checkpoints/ and results.json (the final test BPC).
 
 Several processes (e.g. on one machine, or hosts that JAX cannot discover by itself) run the same
@@ -26,6 +27,10 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+
+# Exit status after SIGTERM once the step is saved (sysexits' EX_TEMPFAIL: "try again later").
+EXIT_PREEMPTED = 75
 
 
 def load_config(path: str):
@@ -152,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
   summary = training.train(cfg, workdir, mesh=mesh, progress=not args.no_progress, **data)
   train_minutes = (time.perf_counter() - start) / 60
   if summary["status"] != "done":
-    return 0  # preempted: the checkpoint is saved; rerun the same command to resume
+    # Preempted: the checkpoint is saved; rerun the same command to resume. Not 0, so that a
+    # scheduler can tell a preempted run from a finished one.
+    return EXIT_PREEMPTED
   results = {"config": args.config, "overrides": args.set, "data_file": args.data_file,
              "steps": summary["step"],
              "final_train_loss": summary["last_loss"], "valid_bpc": summary.get("valid_bpc"),
