@@ -6,9 +6,12 @@
 
 Protocols: "sliding" (the paper's: windows of --context bytes moved --stride at a time, each
 scoring its last --stride predictions, the first window scoring all of its own) and "chunks"
-(non-overlapping windows of --context bytes). The model and its final-stage attention windows
-come from <workdir>/run_config.json, written by train/charlm.py; only the parameters of the
-checkpoint are read. The same function (`evaluation.evaluate_run`) scores the test split after
+(non-overlapping windows of --context bytes). The model comes from <workdir>/run_config.json,
+written by train/charlm.py, and the final stage's attention windows from the settings saved with
+the checkpoint (a run may have been extended); only the parameters of the checkpoint are read, and checked against the checksums saved with them: without --step the
+newest checkpoint that restores and verifies is scored (a damaged one is skipped with a one-line
+warning and left as it is); a damaged --step, or no usable checkpoint, is an error (exit status
+1, one line). The same function (`evaluation.evaluate_run`) scores the test split after
 training. Prints the BPC and writes JSON (default <workdir>/bpc_<dataset>_<split>_<protocol>.json,
 or bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can
 be written. A result that is not finite (broken weights) is an error: exit status 1, no JSON.
@@ -53,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
   import numpy as np
   from etils import epath
   from longformer_jax import training
+  from longformer_jax.checkpoint import CheckpointError
   from longformer_jax.data import load_split
   from longformer_jax.evaluation import describe, evaluate_run
   from longformer_jax.io import atomic_write
@@ -75,10 +79,16 @@ def main(argv: list[str] | None = None) -> int:
   out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
   if jax.process_index() == 0:
     _check_writable(out)  # before minutes of evaluation, not after
-  result = evaluate_run(workdir, data, step=args.step, mesh=training.make_mesh((-1, 1)),
-                        context=args.context, stride=args.stride, score_last=args.score_last,
-                        batch_size=args.batch_size, protocol=args.protocol,
-                        progress=not args.no_progress)
+  try:
+    result = evaluate_run(workdir, data, step=args.step, mesh=training.make_mesh((-1, 1)),
+                          context=args.context, stride=args.stride, score_last=args.score_last,
+                          batch_size=args.batch_size, protocol=args.protocol,
+                          progress=not args.no_progress)
+  except (CheckpointError, FileNotFoundError) as e:
+    # No checkpoint, or none that restores and verifies: one line, not Orbax's tracebacks.
+    if jax.process_index() == 0:
+      print(f"error: {e}", file=sys.stderr)
+    return 1
   result = {**source, **result, "workdir": str(workdir)}
   if jax.process_index() == 0:
     print(f"{name}: {describe(result)}")

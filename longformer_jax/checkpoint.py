@@ -1,50 +1,279 @@
-"""Orbax checkpoints, the only module that reads or writes them: models and train states.
+"""Orbax checkpoints, the only module that reads or writes them: models and train states, each
+verified when read.
 
 Model checkpoints (`save_model` / `load_model`): a directory with `params/` (an Orbax checkpoint
-of the `nnx.Param` state) and `model.json` (the model and config classes and the config's
-fields). No pickle anywhere. Any model in `longformer_jax` can be saved this way:
+of the `nnx.Param` state) and `model.json` (the model and config classes, the config's fields and
+the parameters' checksums). No pickle anywhere. Any model in `longformer_jax` can be saved:
   * the model has a `config` attribute, a dataclass with `to_dict()`/`from_dict()` (or plain
     JSON-able fields, rebuilt by `ConfigClass(**fields)`);
   * it is built as `ModelClass(config, rngs=nnx.Rngs(seed), **model.init_kwargs)`, where the
     optional `init_kwargs` attribute holds the other constructor arguments as JSON values.
 Only classes inside the `longformer_jax` package are imported when loading.
 
-Train-state checkpoints (`checkpoint_manager`, `save_train_state`, `restore_train_state`): an
-Orbax `CheckpointManager` directory (`<workdir>/checkpoints`) with one directory per step,
-holding three items: `params/` (the same `nnx.Param` state as a model checkpoint's), `opt_state/`
-(the optimizer state) and `meta/` (JSON: step, stage, data position, ...).
+Train-state checkpoints (`TrainCheckpoints` writes them, `restore_train_state` reads them): an
+Orbax `CheckpointManager` directory (`<workdir>/checkpoints`) with one directory per step, holding
+three items: `params/` (the same `nnx.Param` state as a model checkpoint's), `opt_state/` (the
+optimizer state) and `meta/` (JSON: step, stage, data position, the run's settings, and the
+checksums of the other two items, sealed by a SHA-256 of the rest).
+
+Verification. Every array's checksum is computed on its devices when it is saved (`checksums`: two
+32-bit position-dependent hashes of its bits, exact integer sums, so the value does not depend on
+the sharding or the mesh) and recomputed from what Orbax returns when it is read. A step whose
+files are missing, truncated, undecodable or altered (a bit flip in a weight or an Adam moment)
+fails to restore or to verify: `restore_train_state` and `load_params` then take the newest step
+that does, warn in one line naming the skipped step and why, and never move or delete it. An
+explicitly requested step that fails is an error (`DamagedCheckpointError`, one line).
 
 `load_params` reads the parameters of either kind, and only them: of a train-state checkpoint it
-asks Orbax for the `params` item alone, so the optimizer state (twice the parameters' size with
-Adam) is never read; evaluation needs nothing else.
+opens the `params` and `meta` items alone, so the optimizer state (twice the parameters' size
+with Adam) is never read, and damage there does not stop an evaluation.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
+import hashlib
 import importlib
 import json
+import logging
 import os
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
 from longformer_jax.io import atomic_write
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2
 _PACKAGE = "longformer_jax"
 MODEL_JSON = "model.json"
 CHECKPOINTS = "checkpoints"  # the train-state checkpoints' directory inside a workdir
+_ITEMS = ("params", "opt_state")  # the array items of a train state, checksummed in its meta
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be written or read. The message is one line: what and why."""
+
+
+class DamagedCheckpointError(CheckpointError):
+  """A checkpoint exists but does not restore or does not match its checksums."""
+
+
+class CheckpointSaveError(CheckpointError):
+  """Writing a checkpoint failed (e.g. a full disk); the step is not saved."""
 
 
 def _orbax_path(path: str | os.PathLike) -> epath.Path:
   """`path` as Orbax wants it: absolute when local; gs:// and other remote paths as they are."""
   path = epath.Path(path)
   return path if "://" in str(path) else path.absolute()
+
+
+def _warn(message: str) -> None:
+  """One line on stderr, from the first process only (all of them make the same decision)."""
+  if jax.process_index() == 0:
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+def describe_error(error: BaseException, limit: int = 1000) -> str:
+  """The first line of the innermost cause of `error`: what Orbax and TensorStore wrap in
+  several layers (and specs of hundreds of lines) reduced to the line that says what failed."""
+  while error.__cause__ is not None:
+    error = error.__cause__
+  lines = str(error).strip().splitlines()
+  text = lines[0] if lines else ""
+  text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+  return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# Checksums.
+
+_GOLDEN = 0x9E3779B9  # 2**32 / golden ratio: spreads consecutive positions over the words
+
+
+def _fmix(h: jax.Array) -> jax.Array:
+  """MurmurHash3's 32-bit finaliser: every input bit flips each output bit with probability
+  about 1/2, so one flipped bit anywhere changes the sum below."""
+  h = h ^ (h >> 16)
+  h = h * jnp.uint32(0x85EBCA6B)
+  h = h ^ (h >> 13)
+  h = h * jnp.uint32(0xC2B2AE35)
+  return h ^ (h >> 16)
+
+
+def _words(x: jax.Array) -> jax.Array:
+  """The bits of `x` as uint32 words (8-byte elements give a trailing axis of 2)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  size = x.dtype.itemsize
+  if size in (1, 2):
+    return jax.lax.bitcast_convert_type(x, jnp.uint8 if size == 1 else jnp.uint16).astype(
+        jnp.uint32)
+  if size in (4, 8):
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  raise TypeError(f"cannot checksum an array of dtype {x.dtype}")
+
+
+def _position(shape: tuple[int, ...]) -> jax.Array:
+  """Each element's flat index (mod 2**32), built from iotas rather than a reshape, so that a
+  sharded array is never gathered."""
+  index = jnp.zeros(shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(len(shape))):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(
+        stride % 2**32)
+    stride *= shape[axis]
+  return index
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  words = _words(x)
+  position = _fmix(_position(words.shape) * jnp.uint32(_GOLDEN) + jnp.uint32(1))
+  # Two independent 32-bit sums (a 64-bit check). uint32 addition wraps and is associative, so
+  # the partial sums of any sharding add up to the same value.
+  first = jnp.sum(_fmix(words ^ position), dtype=jnp.uint32)
+  second = jnp.sum(_fmix((words + jnp.uint32(_GOLDEN)) ^ _fmix(position)), dtype=jnp.uint32)
+  return jnp.stack([first, second])
+
+
+@jax.jit
+def _tree_checksums(tree):
+  return jax.tree.map(_leaf_checksum, tree)
+
+
+def _key(path) -> str:
+  return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def checksums(tree: Any) -> dict[str, str]:
+  """{leaf path: 16 hex digits} of every array in `tree`; exact on any sharding or mesh."""
+  sums = _tree_checksums(tree)
+  out = {}
+  for path, pair in jax.tree_util.tree_flatten_with_path(sums)[0]:
+    first, second = (int(v) for v in np.asarray(pair))
+    out[_key(path)] = f"{first:08x}{second:08x}"
+  return out
+
+
+def verify_checksums(tree: Any, expected: Mapping[str, str], what: str) -> None:
+  """Raises DamagedCheckpointError naming the first array of `tree` whose checksum differs from
+  `expected` (or that is missing from it)."""
+  actual = checksums(tree)
+  if set(actual) != set(expected):
+    missing = sorted(set(actual) ^ set(expected))
+    raise DamagedCheckpointError(f"{what}: the arrays differ from those the checksums list "
+                                 f"({len(missing)} names, e.g. {missing[0]!r})")
+  bad = [name for name in actual if actual[name] != expected[name]]
+  if bad:
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise DamagedCheckpointError(
+        f"{what}: checksum mismatch in {bad[0]}{more}: written {expected[bad[0]]}, read "
+        f"{actual[bad[0]]}")
+
+
+def _seal(record: dict[str, Any]) -> dict[str, Any]:
+  """`record` plus the SHA-256 of its canonical JSON, so that damage to it is detected too."""
+  text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+  return {**record, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def _unseal(record: Any, what: str) -> dict[str, Any]:
+  if not isinstance(record, dict) or "sha256" not in record:
+    raise DamagedCheckpointError(f"{what}: no checksum (not written by this version, or cut "
+                                 "short)")
+  rest = {k: v for k, v in record.items() if k != "sha256"}
+  if _seal(rest)["sha256"] != record["sha256"]:
+    raise DamagedCheckpointError(f"{what}: its contents do not match their SHA-256")
+  return rest
+
+
+# A read or write that fails inside Orbax leaves TensorStore callbacks aimed at the event loop
+# Orbax has already closed, and coroutines whose errors nobody awaits: Python prints a traceback
+# for each (hundreds of lines saying "Event loop is closed"), and Orbax logs the failure with its
+# traceback from each thread it passes through. None of it says more than the error this module
+# raises itself (one line: `describe_error` of the same exception). So from the first use of
+# this module on, those unraisable errors and Orbax's ERROR log records are dropped; everything
+# else still reaches the previous hooks and handlers.
+_quiet = False
+
+
+def _raised_in_orbax(error: BaseException | None) -> bool:
+  tb = error.__traceback__ if error is not None else None
+  while tb is not None:
+    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
+
+
+def _is_orphaned_error(error: BaseException | None, obj: Any = None) -> bool:
+  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+    return True
+  return "orbax" in repr(obj) or _raised_in_orbax(error)
+
+
+class _DropOrbaxErrors(logging.Filter):
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+      return False  # the failure is raised to the caller as a CheckpointError
+    if record.name == "asyncio":
+      # "Future/Task exception was never retrieved" for the reads and writes left behind.
+      exc = record.exc_info[1] if record.exc_info else None
+      try:
+        message = record.getMessage()
+      except Exception:  # pylint: disable=broad-exception-caught
+        message = str(record.msg)
+      return not (_is_orphaned_error(exc) or "orbax" in message)
+    return True
+
+
+def _silence_orphaned_errors() -> None:
+  global _quiet
+  if _quiet:
+    return
+  _quiet = True
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _is_orphaned_error(unraisable.exc_value, unraisable.object):
+      previous(unraisable)
+
+  sys.unraisablehook = hook
+  for name in ("absl", "asyncio"):
+    logging.getLogger(name).addFilter(_DropOrbaxErrors())
+
+
+def _after_failure() -> None:
+  # The coroutines a failed read or write abandoned are collected later with a "was never
+  # awaited" RuntimeWarning each; they are part of the failure already reported.
+  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                          category=RuntimeWarning)
+
+
+def _read(what: str, fn: Callable[[], Any]) -> Any:
+  """fn(), with any failure turned into a one-line DamagedCheckpointError."""
+  _silence_orphaned_errors()
+  try:
+    return fn()
+  except DamagedCheckpointError:
+    raise
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    # Whatever Orbax, TensorStore or the file system raise for a broken file.
+    _after_failure()
+    raise DamagedCheckpointError(f"{what}: {describe_error(e)}") from e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,21 +316,34 @@ def save_model(path: str | os.PathLike, model: nnx.Module, *, force: bool = Fals
   path = _orbax_path(path)
   if not hasattr(model, "config"):
     raise TypeError(f"{type(model).__name__} has no `config` attribute; save_model needs one")
-  meta = {
+  params = nnx.state(model, nnx.Param)
+  meta = _seal({
       "format_version": _FORMAT_VERSION,
       "model_class": _class_path(type(model)),
       "config_class": _class_path(type(model.config)),
       "config": _config_to_dict(model.config),
       "init_kwargs": dict(getattr(model, "init_kwargs", {})),
-  }
+      "checksums": {"params": checksums(params)},
+  })
   meta_json = json.dumps(meta, indent=2)  # fail on non-JSON fields before writing anything
   if path.exists() and not force:
     raise FileExistsError(f"{path} exists; pass force=True to replace it")
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(path / "params", nnx.state(model, nnx.Param), force=force)
+  checkpointer.save(path / "params", params, force=force)
   checkpointer.wait_until_finished()
   # model.json is written last: a directory that has it holds a complete checkpoint.
   atomic_write(path / MODEL_JSON, meta_json)
+
+
+def _model_meta(path: epath.Path) -> dict[str, Any]:
+  meta_file = path / MODEL_JSON
+  if not meta_file.exists():
+    raise FileNotFoundError(f"{path} is not a model checkpoint (no {MODEL_JSON})")
+  meta = _read(str(meta_file), lambda: json.loads(meta_file.read_text()))
+  if meta.get("format_version") != _FORMAT_VERSION:
+    raise ValueError(f"{meta_file}: format_version={meta.get('format_version')!r}, this code "
+                     f"reads {_FORMAT_VERSION}")
+  return _unseal(meta, str(meta_file))
 
 
 def load_model(path: str | os.PathLike, *, seed: int = 0) -> nnx.Module:
@@ -109,13 +351,7 @@ def load_model(path: str | os.PathLike, *, seed: int = 0) -> nnx.Module:
 
   seed: seeds the model's non-parameter state (dropout streams).
   """
-  meta_file = _orbax_path(path) / MODEL_JSON
-  if not meta_file.exists():
-    raise FileNotFoundError(f"{path} is not a model checkpoint (no {MODEL_JSON})")
-  meta = json.loads(meta_file.read_text())
-  if meta.get("format_version") != _FORMAT_VERSION:
-    raise ValueError(f"{meta_file}: format_version={meta.get('format_version')!r}, this code "
-                     f"reads {_FORMAT_VERSION}")
+  meta = _model_meta(_orbax_path(path))
   model_class = _import_class(meta["model_class"])
   config = _config_from_dict(_import_class(meta["config_class"]), meta["config"])
   kwargs = meta["init_kwargs"]
@@ -131,94 +367,251 @@ def restore_model(build: Callable[[], nnx.Module], path: str | os.PathLike, *,
   come straight from the checkpoint. shardings: a function of the abstract parameters giving
   their shardings (e.g. `training.param_shardings` over a mesh); default: the default device.
   """
+  return restore_model_and_meta(build, path, step=step, shardings=shardings)[0]
+
+
+def restore_model_and_meta(build: Callable[[], nnx.Module], path: str | os.PathLike, *,
+                           step: int | None = None,
+                           shardings: Callable[[Any], Any] | None = None
+                           ) -> tuple[nnx.Module, int | None, dict[str, Any]]:
+  """(model, step, meta): `restore_model`'s model, the step it came from (None for a model
+  checkpoint) and the checkpoint's meta (`load_params_with_step`)."""
   graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(build), nnx.Param, ...)
   if shardings is not None:
     abstract_params = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
         abstract_params, shardings(abstract_params))
-  params = load_params(path, abstract_params, step=step)
+  params, step, meta = load_params_with_step(path, abstract_params, step=step)
   # The other state (RNG streams) is tiny; under jit the unused parameter initialisers are
   # dead code, so building it costs no initialisation compute.
   rest = jax.jit(lambda: nnx.split(build(), nnx.Param, ...)[2])()
-  return nnx.merge(graphdef, params, rest)
+  return nnx.merge(graphdef, params, rest), step, meta
 
 
 def load_params(path: str | os.PathLike, abstract_params: Any, *, step: int | None = None):
-  """The parameters (an `nnx.State` like `abstract_params`) saved under `path`, and only them.
+  """The parameters (an `nnx.State` like `abstract_params`) saved under `path`, verified, and
+  only them.
 
   path: a model checkpoint (`save_model`), a train-state checkpoint directory (`<workdir>/
     checkpoints`), or a training workdir holding one; step: of a train-state checkpoint
-    (default: the latest).
+    (default: the newest that restores and verifies; others are skipped with a warning).
   abstract_params: the target: arrays or ShapeDtypeStructs, whose shardings (if any) the
     parameters are restored into.
-  Either way only the `params` item is opened: the optimizer state of a train-state checkpoint
-  is neither read nor needed (a checkpoint whose `opt_state/` is gone still loads).
+  Either way only the parameters (and the small JSON beside them) are opened: the optimizer
+  state of a train-state checkpoint is neither read nor needed.
   """
+  return load_params_with_step(path, abstract_params, step=step)[0]
+
+
+def load_params_with_step(path: str | os.PathLike, abstract_params: Any, *,
+                          step: int | None = None) -> tuple[Any, int | None, dict[str, Any]]:
+  """(params, step, meta) as `load_params` reads them: the step is None for a model checkpoint,
+  whose meta is its model.json; a train state's meta is its `meta` item."""
   path = _orbax_path(path)
   if (path / MODEL_JSON).exists():
     if step is not None:
       raise ValueError(f"{path} is a model checkpoint, which has no steps; got step={step}")
-    params_dir = path / "params"
-  else:
-    directory = _checkpoints_dir(path)
-    params_dir = directory / str(_existing_step(directory, step)) / "params"
-  return ocp.StandardCheckpointer().restore(params_dir, abstract_params)
+    meta = _model_meta(path)
+    params = _read(f"{path}/params", lambda: ocp.StandardCheckpointer().restore(
+        path / "params", abstract_params))
+    verify_checksums(params, meta["checksums"]["params"], f"{path}/params")
+    return params, None, meta
+  directory = _checkpoints_dir(path)
+
+  def restore(step):
+    meta = read_meta(directory, step)
+    params = _read(f"step {step} params", lambda: ocp.StandardCheckpointer().restore(
+        directory / str(step) / "params", abstract_params))
+    verify_checksums(params, meta["checksums"]["params"], f"step {step} params")
+    return params, step, meta
+
+  return _newest_good(directory, step, restore)
 
 
 def latest_step(path: str | os.PathLike) -> int | None:
-  """The latest step of the train-state checkpoints under `path` (a workdir or its
-  checkpoints/ directory); None if there are none."""
-  return max(_steps(_checkpoints_dir(_orbax_path(path))), default=None)
+  """The latest committed step of the train-state checkpoints under `path` (a workdir or its
+  checkpoints/ directory), verified or not; None if there are none."""
+  return max(checkpoint_steps(path), default=None)
+
+
+def checkpoint_steps(path: str | os.PathLike) -> list[int]:
+  """The committed steps of the train-state checkpoints under `path` (a workdir or its
+  checkpoints/ directory), ascending; incomplete saves (Orbax's temporary directories) are not
+  steps."""
+  directory = _checkpoints_dir(_orbax_path(path))
+  return sorted(ocp.path.step.checkpoint_steps(directory)) if directory.is_dir() else []
+
+
+def incomplete_saves(path: str | os.PathLike) -> list[str]:
+  """Names of the directories under `path`'s checkpoints that an interrupted save left behind."""
+  directory = _checkpoints_dir(_orbax_path(path))
+  if not directory.is_dir():
+    return []
+  return sorted(p.name for p in directory.iterdir() if ocp.path.step.is_tmp_checkpoint(p))
 
 
 def _checkpoints_dir(path: epath.Path) -> epath.Path:
   return path / CHECKPOINTS if (path / CHECKPOINTS).is_dir() else path
 
 
-def _steps(directory: epath.Path) -> list[int]:
-  """The finished (committed) steps of a checkpoints directory."""
-  return ocp.path.step.checkpoint_steps(directory) if directory.is_dir() else []
-
-
-def _existing_step(directory: epath.Path, step: int | None) -> int:
-  steps = _steps(directory)
+def _newest_good(directory: epath.Path, step: int | None, restore: Callable[[int], Any]):
+  """restore(step) of the requested step, or else of the newest step for which it succeeds:
+  each step that raises DamagedCheckpointError is skipped with a one-line warning."""
+  steps = checkpoint_steps(directory)
   if not steps:
     raise FileNotFoundError(f"no checkpoint under {directory}")
-  step = max(steps) if step is None else step
-  if step not in steps:
-    raise FileNotFoundError(f"no checkpoint of step {step} under {directory}; "
-                            f"steps: {sorted(steps)}")
-  return step
+  if step is not None:
+    if step not in steps:
+      raise FileNotFoundError(f"no checkpoint of step {step} under {directory}; steps: {steps}")
+    return restore(step)
+  failures = []
+  for candidate in reversed(steps):
+    try:
+      return restore(candidate)
+    except DamagedCheckpointError as e:
+      failures.append(f"step {candidate}: {e}")
+      _warn(f"skipping checkpoint step {candidate} in {directory} (left as it is): {e}")
+  raise DamagedCheckpointError(f"no checkpoint under {directory} restores: "
+                               + "; ".join(failures))
 
 
 # ----------------------------------------------------------------------------------------------
 # Train states: params + opt_state + meta per step.
 
 
-def checkpoint_manager(directory: str | os.PathLike, *, max_to_keep: int | None = None,
-                       async_save: bool = False) -> ocp.CheckpointManager:
-  """The train-state checkpoints in `directory` (a workdir's `checkpoints/`; created if
-  missing), keeping the latest `max_to_keep` (None: all)."""
-  options = ocp.CheckpointManagerOptions(
-      max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
-  return ocp.CheckpointManager(_orbax_path(directory), options=options)
+def read_meta(path: str | os.PathLike, step: int) -> dict[str, Any]:
+  """The verified `meta` item of train-state checkpoint `step` under `path` (a workdir or its
+  checkpoints/ directory); DamagedCheckpointError if it is unreadable or altered."""
+  directory = _checkpoints_dir(_orbax_path(path))
+  what = f"step {step} meta"
+  record = _read(what, lambda: ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+      directory / str(step) / "meta"))
+  meta = _unseal(record, what)
+  if meta.get("step") != step or not all(item in meta.get("checksums", {}) for item in _ITEMS):
+    raise DamagedCheckpointError(f"{what}: names step {meta.get('step')!r} or lacks the "
+                                 "checksums of its arrays")
+  return meta
 
 
-def save_train_state(manager: ocp.CheckpointManager, step: int, params: Any, opt_state: Any,
-                     meta: dict[str, Any]) -> None:
-  """Saves step `step` (asynchronously if the manager is): params, optimizer state, JSON meta."""
-  manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
-      meta=ocp.args.JsonSave(meta)), force=True)
-
-
-def restore_train_state(manager: ocp.CheckpointManager, abstract_params: Any,
-                        abstract_opt_state: Any, step: int | None = None
+def restore_train_state(path: str | os.PathLike, abstract_params: Any, abstract_opt_state: Any,
+                        *, step: int | None = None,
+                        check_meta: Callable[[dict[str, Any]], None] | None = None
                         ) -> tuple[Any, Any, dict[str, Any]]:
-  """(params, opt_state, meta) of `step` (default: the latest), straight into the targets'
-  shardings."""
-  step = _existing_step(epath.Path(manager.directory), step)
-  restored = manager.restore(step, args=ocp.args.Composite(
-      params=ocp.args.StandardRestore(abstract_params),
-      opt_state=ocp.args.StandardRestore(abstract_opt_state), meta=ocp.args.JsonRestore()))
-  return restored["params"], restored["opt_state"], restored["meta"]
+  """(params, opt_state, meta) of train-state checkpoint `step` under `path` (a workdir or its
+  checkpoints/ directory), straight into the targets' shardings and verified against the
+  checksums saved with them.
+
+  step: default: the newest that restores and verifies (damaged steps are skipped with a
+    one-line warning and left on disk; `DamagedCheckpointError` when none does).
+  check_meta(meta): called with each candidate's verified meta before its arrays are read
+    (e.g. to refuse a resume whose settings differ); what it raises propagates.
+  """
+  directory = _checkpoints_dir(_orbax_path(path))
+
+  def restore(step):
+    meta = read_meta(directory, step)
+    if check_meta is not None:
+      check_meta(meta)
+    step_dir = directory / str(step)
+    out = {}
+    for item, target in zip(_ITEMS, (abstract_params, abstract_opt_state)):
+      what = f"step {step} {item}"
+      out[item] = _read(what, functools.partial(ocp.StandardCheckpointer().restore,
+                                                step_dir / item, target))
+      verify_checksums(out[item], meta["checksums"][item], what)
+    return out["params"], out["opt_state"], meta
+
+  return _newest_good(directory, step, restore)
+
+
+class _KeepLatest:
+  """Orbax preservation policy: the latest `n` checkpoints, and every step in `protect` (the
+  damaged ones found at start: evidence is never deleted, and they do not count towards n)."""
+
+  def __init__(self, n: int | None, protect: Sequence[int]):
+    self.n, self.protect = n, frozenset(protect)
+
+  def should_preserve(self, checkpoints, *, context=None):
+    del context
+    good = sorted(c.step for c in checkpoints if c.step not in self.protect)
+    keep = set(good if self.n is None else good[max(0, len(good) - self.n):])
+    return [c.step in keep or c.step in self.protect for c in checkpoints]
+
+
+class TrainCheckpoints:
+  """Writes the train-state checkpoints of a run (`<workdir>/checkpoints`).
+
+  save(): checksums of the arrays are computed on their devices and sealed into the meta, then
+    Orbax writes the step (in the background when async_save). A failed save raises
+    `CheckpointSaveError` from `check()` (call it every step: the run stops at the next step),
+    from the next `save()`, or from `wait()`.
+  keep: how many of the newest checkpoints to keep (None: all); steps in `protect` (damaged ones
+    found at start) are never deleted and are not overwritten: saving such a step is skipped.
+  Incomplete saves left by an interrupted run (Orbax's temporary directories) are removed when
+  this is created, with a one-line note.
+  """
+
+  def __init__(self, directory: str | os.PathLike, *, keep: int | None = None,
+               async_save: bool = False, protect: Sequence[int] = ()):
+    _silence_orphaned_errors()
+    self.directory = _orbax_path(directory)
+    self.protect = frozenset(protect)
+    leftovers = incomplete_saves(self.directory)
+    if leftovers:
+      _warn(f"removing incomplete checkpoint directories an interrupted save left in "
+            f"{self.directory}: {', '.join(leftovers)}")
+    options = ocp.CheckpointManagerOptions(
+        create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
+        preservation_policy=_KeepLatest(keep, self.protect))
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._pending = None  # the step of a save that may still be running
+
+  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> bool:
+    """Saves `step`; False (and nothing written) if it is a protected (damaged) step."""
+    if step in self.protect:
+      _warn(f"step {step} is not saved: a damaged checkpoint of that step is in "
+            f"{self.directory} and is kept as it is (move it elsewhere to let a run save "
+            "this step)")
+      return False
+    self.wait()  # Orbax would wait for the previous save anyway; its failure is named here
+    meta = _seal({**meta, "step": step, "checksums": {
+        "params": checksums(params), "opt_state": checksums(opt_state)}})
+    try:
+      self._manager.save(step, args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
+          meta=ocp.args.JsonSave(meta)), force=True)
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      _after_failure()
+      raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
+                                f"{describe_error(e)}") from e
+    self._pending = step
+    return True
+
+  def check(self) -> None:
+    """Raises CheckpointSaveError if a background save has failed; never waits for one that is
+    still writing."""
+    if self._pending is not None and not self._manager.is_saving_in_progress():
+      self.wait()  # finished: returns at once, or raises its failure
+
+  def wait(self) -> None:
+    """Waits for a background save; CheckpointSaveError if it failed."""
+    if self._pending is None:
+      return
+    step, self._pending = self._pending, None
+    try:
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      _after_failure()
+      raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
+                                f"{describe_error(e)}") from e
+
+  def close(self) -> None:
+    """Waits for a background save and releases Orbax's resources (errors: as `wait`)."""
+    try:
+      self.wait()
+    except BaseException:
+      with contextlib.suppress(Exception):  # the failed save is the error to report
+        self._manager.close()
+      raise
+    self._manager.close()

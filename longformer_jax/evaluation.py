@@ -183,27 +183,30 @@ def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
   """BPC of a training run's checkpoint on `data`: the evaluation of train/charlm.py (after
   training) and of eval/bpc.py.
 
-  Reads <workdir>/run_config.json, restores the parameters of checkpoint `step` (default: the
-  latest) and nothing else (`checkpoint.load_params`: no optimizer state), and scores `data`
-  with the final stage's attention windows (`evaluate_bpc`'s other arguments). mesh: the batch
-  is split over it as in `evaluate_bpc`, the model is built for it, and the parameters are
-  sharded by the run's logical rules (default: all devices on the data axis). Returns {"bpc",
-  "bytes", "step", "windows", and the protocol}.
+  Reads <workdir>/run_config.json for the model, restores the parameters of checkpoint `step`
+  (default: the newest that restores and verifies; damaged ones are skipped with a warning) and
+  nothing else (`checkpoint.load_params`: no optimizer state), and scores `data` with the final
+  stage's attention windows of the settings saved with that checkpoint (`evaluate_bpc`'s other
+  arguments). mesh: the batch is split over it as in `evaluate_bpc`, the model is built for it,
+  and the parameters are sharded by the run's logical rules (default: all devices on the data
+  axis). Returns {"bpc", "bytes", "step", "windows", and the protocol}.
   """
   # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
   from longformer_jax.training import (  # pylint: disable=g-import-not-at-top
       make_mesh, param_shardings, read_run_config)
+  from longformer_jax.training.config import (  # pylint: disable=g-import-not-at-top
+      config_from_record)
   from longformer_jax.training.sharding import seq_axis  # pylint: disable=g-import-not-at-top
   cfg = read_run_config(workdir)
   mesh = make_mesh((-1, 1)) if mesh is None else mesh
-  step = checkpoint.latest_step(workdir) if step is None else step
-  if step is None:
-    raise FileNotFoundError(f"no checkpoint under {workdir}")
-  model = checkpoint.restore_model(
+  model, step, meta = checkpoint.restore_model_and_meta(
       lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
                                     seq_axis=seq_axis(mesh)),
       workdir, step=step,
       shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
+  # The stages may have grown since the run started (an extended run): the checkpoint's own
+  # settings say which windows its last stage trains with.
+  cfg = config_from_record(meta["run"], f"step {step} meta")
   windows = cfg.stage_windows(-1)
   start = time.perf_counter()
   bpc = evaluate_bpc(model, data, context=context, stride=stride, score_last=score_last,

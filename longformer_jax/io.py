@@ -12,8 +12,16 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
   never see half a file. `path` may be local or any etils `epath` path (gs://...)."""
   path = epath.Path(path)
   tmp = path.parent / f".{path.name}.tmp{os.getpid()}"
-  if isinstance(data, str):
-    tmp.write_text(data, encoding="utf-8")
-  else:
-    tmp.write_bytes(data)
-  tmp.replace(path)
+  try:
+    if isinstance(data, str):
+      tmp.write_text(data, encoding="utf-8")
+    else:
+      tmp.write_bytes(data)
+    tmp.replace(path)
+  except BaseException:
+    # A full disk or a kill leaves no half-written temporary behind (as far as it can).
+    try:
+      tmp.unlink()
+    except OSError:
+      pass
+    raise

@@ -6,9 +6,11 @@ for one describing the fake) from a manual directory and through a `file://` dow
 
 import hashlib
 import os
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -246,3 +248,70 @@ def test_failed_download_names_the_manual_dir(tmp_path):
     with pytest.raises(OSError, match="put the official text8.zip .* in the manual directory"):
         corpora.fetch(source, manual_dir=tmp_path / "manual", download_dir=tmp_path / "downloads")
     assert not list((tmp_path / "downloads").glob("*"))  # no partial file left behind
+
+
+def test_failed_download_names_the_default_manual_dir(tmp_path):
+    """Without a manual directory the error names TFDS's default one, `<download_dir>/manual`,
+    where a file put by hand is then found."""
+    source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
+    downloads = tmp_path / "downloads"
+    with pytest.raises(OSError) as e:
+        corpora.fetch(source, manual_dir=None, download_dir=downloads)
+    assert "None" not in str(e.value)
+    assert (
+        f"put the official text8.zip (31,344,016 bytes) in the manual directory "
+        f"{downloads / 'manual'}, as {downloads / 'manual' / 'text8.zip'}"
+    ) in str(e.value)
+    fake = _fake_archive(downloads / "manual" / "text8.zip", "text8", b"abc")
+    fake = replace(fake, url=source.url)
+    assert corpora.fetch(fake, manual_dir=None, download_dir=downloads) == (
+        downloads / "manual" / "text8.zip"
+    )
+
+
+@pytest.mark.parametrize("given", [False, True])
+def test_builder_download_error_names_the_manual_dir(tmp_path, given):
+    """Through TFDS: the manual directory given (empty here), else the default
+    `<data_dir>/downloads/manual`, never None."""
+    source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
+    manual = tmp_path / "my_manual" if given else tmp_path / "data" / "downloads" / "manual"
+    with pytest.raises(OSError, match="could not download") as e:
+        builders.prepare(
+            _with_source(builders.Text8, source),
+            data_dir=tmp_path / "data",
+            manual_dir=manual if given else None,
+        )
+    assert f"in the manual directory {manual}, as {manual / 'text8.zip'}" in str(e.value)
+    assert "31,344,016 bytes" in str(e.value)
+
+
+def test_builder_finds_a_zip_in_the_default_manual_dir(tmp_path, small_chunks):
+    content = b" what the default manual directory holds" * 4
+    manual = tmp_path / "data" / "downloads" / "manual"
+    source = _fake_archive(manual / "text8.zip", "text8", content)
+    source = replace(source, url=(tmp_path / "missing.zip").as_uri())  # no download possible
+    builder = builders.prepare(_with_source(builders.Text8, source), data_dir=tmp_path / "data")
+    splits = ("train", "validation", "test")
+    assert b"".join(builders.read_split(builder, s).tobytes() for s in splits) == content
+
+
+@pytest.fixture
+def silent_server():
+    """A local URL whose server accepts connections (the kernel's backlog) and never answers."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(4)
+        yield f"http://127.0.0.1:{server.getsockname()[1]}/text8.zip"
+
+
+def test_download_times_out(tmp_path, silent_server):
+    source = replace(corpora.TEXT8_SOURCE, url=silent_server)
+    start = time.monotonic()
+    with pytest.raises(OSError, match=r"could not download .*timed out.* manual directory") as e:
+        corpora.fetch(
+            source, manual_dir=None, download_dir=tmp_path / "downloads", timeout=0.2
+        )
+    assert time.monotonic() - start < 10
+    assert str(tmp_path / "downloads" / "manual" / "text8.zip") in str(e.value)
+    assert not list((tmp_path / "downloads").glob("*"))  # no partial file left behind
+    assert corpora.DOWNLOAD_TIMEOUT_S == 60  # the default: per socket operation, not in total

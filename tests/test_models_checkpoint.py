@@ -58,6 +58,26 @@ def test_save_refuses_to_overwrite_unless_forced(tmp_path):
     checkpoint.save_model(tmp_path / "linear", nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
 
 
+def test_an_altered_model_checkpoint_is_refused(tmp_path):
+  model = modeling.LongformerModel(CONFIG, rngs=nnx.Rngs(0))
+  checkpoint.save_model(tmp_path / "ckpt", model)
+  # One (float32) weight one ulp off, written by Orbax itself: it decodes, only the checksum
+  # tells.
+  kernel = model.pooler.kernel
+  kernel[...] = kernel[...].at[0, 0].set(np.nextafter(kernel[0, 0], np.float32(1e9)))
+  params = nnx.state(model, nnx.Param)
+  writer = checkpoint.ocp.StandardCheckpointer()
+  writer.save(tmp_path / "ckpt" / "params", params, force=True)
+  writer.wait_until_finished()
+  with pytest.raises(checkpoint.DamagedCheckpointError,
+                     match=r"/params: checksum mismatch in pooler/kernel/value: written "):
+    checkpoint.load_model(tmp_path / "ckpt")
+  meta = tmp_path / "ckpt" / checkpoint.MODEL_JSON
+  meta.write_text(meta.read_text().replace('"num_labels": 5', '"num_labels": 6'))
+  with pytest.raises(checkpoint.DamagedCheckpointError, match="do not match their SHA-256"):
+    checkpoint.load_model(tmp_path / "ckpt")
+
+
 # ----------------------------------------------------------------------------------------------
 # Train-state checkpoints: load_params reads the parameters only.
 
@@ -85,16 +105,14 @@ def _assert_same_params(a, b):
 def test_load_params_never_reads_the_optimizer_state(tmp_path):
   cfg = _trained_run(tmp_path)
   trainer = Trainer(cfg)
-  manager = checkpoint.checkpoint_manager(tmp_path / "checkpoints")
-  trained = {step: trainer.restore(manager, step)[0].params for step in (1, 2)}
+  trained = {step: trainer.restore(tmp_path, step)[0].params for step in (1, 2)}
   # Step 2 loses its optimizer state, step 1's is overwritten with garbage.
   shutil.rmtree(tmp_path / "checkpoints" / "2" / "opt_state")
   for f in (tmp_path / "checkpoints" / "1" / "opt_state").rglob("*"):
     if f.is_file():
       f.write_bytes(b"not an orbax file")
-  with pytest.raises(Exception):  # noqa: B017: the full train state really is broken now
-    trainer.restore(manager, 1)
-  manager.close()
+  with pytest.raises(checkpoint.DamagedCheckpointError, match="^step 1 opt_state: "):
+    trainer.restore(tmp_path, 1)
 
   target = trainer.abstract_state().params
   _assert_same_params(checkpoint.load_params(tmp_path, target), trained[2])  # the latest

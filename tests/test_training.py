@@ -139,12 +139,29 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
-  cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=6, learning_rate=1e30),),
-                checkpoint_every=1, clip_norm=1e30)
-  with pytest.raises(NonFiniteLossError, match=r"last good checkpoint is step \d"):
+  # Three sane steps, then a learning rate that blows the parameters up: the update of step 4
+  # gives finite parameters whose loss or gradients are not, so step 4 is not saved and step 3
+  # is named; resuming from it at a sane rate finishes the run.
+  stages = (Stage(seq_len=16, batch_size=4, steps=3, learning_rate=3e-3),
+            Stage(seq_len=16, batch_size=4, steps=3, learning_rate=1e30))
+  cfg = _config(stages=stages, checkpoint_every=1, clip_norm=1e30)
+  with pytest.raises(NonFiniteLossError, match=r"step 4 .*last good checkpoint is step 3 "):
     _run(cfg, tmp_path, _bytes())
   saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
-  assert saved and saved[-1] < 6
+  assert saved == [2, 3]
+  fixed = dataclasses.replace(cfg, stages=(stages[0], dataclasses.replace(
+      stages[1], learning_rate=1e-3)))
+  summary, losses = _run(fixed, tmp_path, _bytes(), allow_changes=["stages.1.learning_rate"])
+  assert summary["step"] == 6 and sorted(losses) == [4, 5, 6]
+  assert all(np.isfinite(list(losses.values())))
+
+
+def test_a_run_that_diverges_at_once_has_no_good_checkpoint(tmp_path):
+  cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=6, learning_rate=1e30),),
+                checkpoint_every=1, clip_norm=1e30)
+  with pytest.raises(NonFiniteLossError, match="No good checkpoint exists yet"):
+    _run(cfg, tmp_path, _bytes())
+  assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
 
 
 _MULTI_DEVICE = textwrap.dedent("""

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from longformer_jax.training import TrainConfig
-from train.charlm import add_distributed_args, apply_overrides, initialize_distributed, load_config
+from longformer_jax.training.overrides import apply_overrides
+from train.charlm import add_distributed_args, initialize_distributed, load_config
 
 CONFIGS = Path(__file__).parents[1] / "train" / "configs"
 

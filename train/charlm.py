@@ -5,10 +5,15 @@
         --set dataset=text8 --set stages.0.batch_size=64
 
 Any config field can be overridden with `--set path=value` (dots walk into dataclasses, tuples
-and dicts; values are Python literals, else strings). Rerunning the same command resumes from the
-latest checkpoint in the workdir; a run stopped by SIGTERM saves its step and exits with status
-75 (`EXIT_PREEMPTED`), 0 meaning the schedule finished. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
-checkpoints/ and results.json (the final test BPC).
+and dicts; each value is parsed to its field's type, see `longformer_jax.training.overrides`).
+Rerunning the same command resumes from the newest checkpoint in the workdir that verifies
+(damaged ones are skipped with a warning), and refuses to if the model, the data or the stages
+already trained differ from the run's (`longformer_jax.training.identity`; `--allow-change FIELD`
+for an optimiser or schedule setting). Exit status: 0 the schedule finished; 75
+(`EXIT_PREEMPTED`) stopped by SIGTERM after saving its step; 1 the run failed (a one-line
+`error:` on stderr: settings that differ from the run's, a diverging loss, a failed save, no
+checkpoint that restores); 2 a bad command line or `--set`. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/ and results.json
+(the final test BPC).
 
 Several processes (e.g. on one machine, or hosts that JAX cannot discover by itself) run the same
 command with `--distributed on --coordinator-address HOST:PORT --num-processes P --process-id I`
@@ -19,14 +24,11 @@ JAX_NUM_PROCESSES and JAX_PROCESS_ID. `--data-file` trains on any file's bytes (
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
 import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 
 # Exit status after SIGTERM once the step is saved (sysexits' EX_TEMPFAIL: "try again later").
@@ -41,46 +43,6 @@ def load_config(path: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config()
-
-
-def _parse_value(text: str) -> Any:
-  try:
-    return ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return text
-
-
-def override(obj: Any, path: str, value: Any) -> Any:
-  """A copy of `obj` with the field at dotted `path` set to `value`."""
-  head, _, rest = path.partition(".")
-  if dataclasses.is_dataclass(obj):
-    names = {f.name for f in dataclasses.fields(obj)}
-    if head not in names:
-      raise ValueError(f"unknown field {head!r} in {type(obj).__name__}; fields: {sorted(names)}")
-    new = override(getattr(obj, head), rest, value) if rest else value
-    return dataclasses.replace(obj, **{head: new})
-  if isinstance(obj, tuple):
-    if not head.lstrip("-").isdigit() or not -len(obj) <= int(head) < len(obj):
-      raise ValueError(f"index {head!r} is not in a tuple of length {len(obj)}")
-    i = int(head) % len(obj)
-    new = override(obj[i], rest, value) if rest else value
-    return obj[:i] + (new,) + obj[i + 1:]
-  if isinstance(obj, dict):
-    new = override(obj[head], rest, value) if rest else value
-    return {**obj, head: new}
-  raise ValueError(f"cannot set {path!r} inside a {type(obj).__name__}")
-
-
-def apply_overrides(cfg, assignments: list[str]):
-  for item in assignments:
-    path, eq, text = item.partition("=")
-    if not eq:
-      raise ValueError(f"--set expects path=value, got {item!r}")
-    value = _parse_value(text)
-    if isinstance(value, list):
-      value = tuple(value)
-    cfg = override(cfg, path.strip(), value)
-  return cfg
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
@@ -127,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--workdir", default=None, help="default: runs/<config name>")
   parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
                       help="override a config field, e.g. --set stages.0.steps=100")
+  parser.add_argument("--allow-change", action="append", default=[], metavar="FIELD",
+                      help="on resume, let this optimiser/schedule setting differ from the "
+                           "run's, e.g. --allow-change stages.0.learning_rate (the model and "
+                           "data of a run never change)")
   parser.add_argument("--no-progress", action="store_true", help="no progress bars")
   parser.add_argument("--skip-final-eval", action="store_true")
   parser.add_argument("--data-file", default=None,
@@ -139,22 +105,45 @@ def main(argv: list[str] | None = None) -> int:
   import jax  # pylint: disable=g-import-not-at-top
   from etils import epath  # pylint: disable=g-import-not-at-top
   from longformer_jax import training  # pylint: disable=g-import-not-at-top
-  from longformer_jax.io import atomic_write  # pylint: disable=g-import-not-at-top
+  from longformer_jax.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
   initialize_distributed(args)
 
-  cfg = apply_overrides(load_config(args.config), args.set)
+  cfg = load_config(args.config)
+  try:
+    cfg = training.apply_overrides(cfg, args.set)
+  except (ValueError, TypeError) as e:
+    # A usage error: argparse's status 2 and one line that names the field (no traceback, and
+    # no usage text, which says nothing about the value).
+    parser.exit(2, f"{parser.prog}: error: {e}\n")
   workdir = epath.Path(args.workdir or Path("runs") / Path(args.config).stem)
   is_main = jax.process_index() == 0
   if is_main:
     print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
     print(f"workdir: {workdir}")
   mesh = training.make_mesh(cfg.mesh_shape)
+  try:
+    return _train_and_evaluate(args, cfg, workdir, mesh)
+  except (training.RunMismatchError, training.NonFiniteLossError, CheckpointError) as e:
+    # Expected failures of a run say all there is in one line (a traceback would bury it).
+    if is_main:
+      print(f"error: {e}", file=sys.stderr)
+    return 1
+
+
+def _train_and_evaluate(args: argparse.Namespace, cfg, workdir, mesh) -> int:
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from longformer_jax import training
+  from longformer_jax.io import atomic_write
+  # pylint: enable=g-import-not-at-top
+  is_main = jax.process_index() == 0
   data = {}
   if args.data_file is not None:
     data = {"train_data": split_of_file(args.data_file, "train"),
             "valid_data": split_of_file(args.data_file, "validation")}
   start = time.perf_counter()
-  summary = training.train(cfg, workdir, mesh=mesh, progress=not args.no_progress, **data)
+  summary = training.train(cfg, workdir, mesh=mesh, progress=not args.no_progress,
+                           allow_changes=args.allow_change, **data)
   train_minutes = (time.perf_counter() - start) / 60
   if summary["status"] != "done":
     # Preempted: the checkpoint is saved; rerun the same command to resume. Not 0, so that a

@@ -120,14 +120,25 @@ class _Official(_ByteStream, skip_registration=True):
     SOURCE: corpora.Source
 
     def _stream(self, dl_manager) -> bytes:
-        try:
-            manual_dir = Path(dl_manager.manual_dir)
-        except AssertionError:  # TFDS's way of saying the (optional) manual dir is empty
-            manual_dir = None
         archive = corpora.fetch(
-            self.SOURCE, manual_dir=manual_dir, download_dir=Path(dl_manager.download_dir)
+            self.SOURCE,
+            manual_dir=_manual_dir(dl_manager),
+            download_dir=Path(dl_manager.download_dir),
         )
         return corpora.read_archive(archive, self.SOURCE)
+
+
+def _manual_dir(dl_manager) -> Path:
+    """The manual directory TFDS was given, or its default, whether or not it exists yet."""
+    try:
+        return Path(dl_manager.manual_dir)
+    except AssertionError:
+        # TFDS's way of saying the (optional) manual dir is missing or empty; it does not say
+        # which directory it looked in, and the error must name it. TFDS's default when
+        # `DownloadConfig.manual_dir` is None is `<download_dir>/manual`, i.e.
+        # `<data_dir>/downloads/manual`.
+        configured = getattr(dl_manager, "_manual_dir", None)
+        return Path(configured) if configured else Path(dl_manager.download_dir) / "manual"
 
 
 class Enwik8(_Official):

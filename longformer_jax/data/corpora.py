@@ -24,6 +24,7 @@ import numpy as np
 from longformer_jax.data.wikifil import wikifil
 
 __all__ = [
+    "DOWNLOAD_TIMEOUT_S",
     "ENWIK8_SOURCE",
     "SAMPLES",
     "TEXT8_ALPHABET",
@@ -38,6 +39,10 @@ __all__ = [
 ]
 
 TEXT8_ALPHABET = b" abcdefghijklmnopqrstuvwxyz"
+
+# Seconds any one socket operation of a download (connecting, each read) may wait: a server that
+# stops answering then fails the download instead of hanging the run (and every host with it).
+DOWNLOAD_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,15 +137,19 @@ def verify_archive(path: os.PathLike | str, source: Source) -> None:
         )
 
 
-def _download(url: str, dest: Path) -> None:
-    """Streams `url` to `dest` through a temporary file, so `dest` is whole or absent."""
+def _download(url: str, dest: Path, timeout: float = DOWNLOAD_TIMEOUT_S) -> None:
+    """Streams `url` to `dest` through a temporary file, so `dest` is whole or absent.
+
+    Raises OSError (TimeoutError or urllib's URLError included) when the server cannot be
+    reached or a socket operation waits more than `timeout` seconds.
+    """
     import tqdm  # only needed for downloads
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     # A name of its own, so processes downloading at once never write into the same file.
     tmp = dest.with_name(f"{dest.name}.incomplete.{os.getpid()}")
     try:
-        with urllib.request.urlopen(url) as response, open(tmp, "wb") as f:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
             total = int(response.headers.get("Content-Length") or 0) or None
             with tqdm.tqdm(total=total, unit="B", unit_scale=True, desc=dest.name) as bar:
                 for block in iter(lambda: response.read(1 << 20), b""):
@@ -152,25 +161,37 @@ def _download(url: str, dest: Path) -> None:
 
 
 def fetch(
-    source: Source, *, manual_dir: os.PathLike | str | None, download_dir: os.PathLike | str
+    source: Source,
+    *,
+    manual_dir: os.PathLike | str | None,
+    download_dir: os.PathLike | str,
+    timeout: float = DOWNLOAD_TIMEOUT_S,
 ) -> Path:
     """The verified archive: `manual_dir/<filename>` if it exists, else a (cached) download.
 
-    Raises ValueError for a wrong file and OSError (naming the manual directory to use
-    instead) when the download fails.
+    Args:
+      source: the archive.
+      manual_dir: where a copy put there by hand is looked for first; None: TFDS's default for
+        this download directory, `<download_dir>/manual`.
+      download_dir: where the download is cached.
+      timeout: seconds each socket operation of the download may wait.
+
+    Raises ValueError for a wrong file and OSError (naming the file, its size and the path to
+    put it at instead) when the download fails.
     """
-    if manual_dir is not None and (manual := Path(manual_dir) / source.filename).exists():
+    manual_dir = Path(download_dir) / "manual" if manual_dir is None else Path(manual_dir)
+    if (manual := manual_dir / source.filename).exists():
         verify_archive(manual, source)
         return manual
     path = Path(download_dir) / source.filename
     if not path.exists():
         try:
-            _download(source.url, path)
-        except OSError as e:  # urllib's URLError included
+            _download(source.url, path, timeout=timeout)
+        except OSError as e:  # urllib's URLError and timeouts included
             raise OSError(
-                f"could not download {source.url} ({e}); without network access put the "
-                f"official {source.filename} ({source.size:,} bytes) in the manual directory "
-                f"{manual_dir}"
+                f"could not download {source.url} ({type(e).__name__}: {e}); without network "
+                f"access put the official {source.filename} ({source.size:,} bytes) in the "
+                f"manual directory {manual_dir}, as {manual}"
             ) from e
     verify_archive(path, source)
     return path

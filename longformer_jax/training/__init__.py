@@ -1,6 +1,8 @@
 """Staged, mesh-sharded training with exact Orbax resume (train/charlm.py runs it).
 
   config     Stage, TrainConfig, paper_stages, run_config.json
+  identity   what a run is fixed to: check_resume, RunMismatchError
+  overrides  apply_overrides: `--set path=value` changes of a config, parsed to the field types
   schedule   the learning-rate schedule and the optimizer
   sharding   the (data, fsdp, seq) mesh, logical axis rules, parameter and batch shardings
   metrics    metrics.jsonl / TensorBoard and the curves plot
@@ -11,20 +13,23 @@
 
 from longformer_jax.training.charlm import CharLMTask
 from longformer_jax.training.config import (
-    PAPER_STEPS_LARGE, PAPER_STEPS_SMALL, Stage, TrainConfig, paper_stages, read_run_config,
-    write_run_config)
+    PAPER_STEPS_LARGE, PAPER_STEPS_SMALL, Stage, TrainConfig, config_from_record, config_record,
+    paper_stages, read_run_config, write_run_config)
+from longformer_jax.training.identity import RunMismatchError, check_resume
 from longformer_jax.training.loop import (
     NonFiniteLossError, Trainer, TrainState, maybe_initialize_distributed, train)
 from longformer_jax.training.metrics import MetricsLog, plot_curves
+from longformer_jax.training.overrides import apply_overrides
 from longformer_jax.training.schedule import learning_rate_schedule, make_optimizer
 from longformer_jax.training.sharding import (
     LOGICAL_RULES, batch_sharding, logical_to_mesh, make_mesh, param_shardings)
 from longformer_jax.training.task import Batches, Task
 
 __all__ = [
-    "LOGICAL_RULES", "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "Batches", "CharLMTask",
-    "MetricsLog", "NonFiniteLossError", "Stage", "Task", "TrainConfig", "TrainState", "Trainer",
-    "batch_sharding", "learning_rate_schedule", "logical_to_mesh", "make_mesh", "make_optimizer",
-    "maybe_initialize_distributed", "paper_stages", "param_shardings", "plot_curves",
-    "read_run_config", "train", "write_run_config",
+    "Batches", "CharLMTask", "LOGICAL_RULES", "MetricsLog", "NonFiniteLossError",
+    "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "RunMismatchError", "Stage", "Task", "TrainConfig",
+    "TrainState", "Trainer", "apply_overrides", "batch_sharding", "check_resume",
+    "config_from_record", "config_record", "learning_rate_schedule", "logical_to_mesh", "make_mesh",
+    "make_optimizer", "maybe_initialize_distributed", "paper_stages", "param_shardings",
+    "plot_curves", "read_run_config", "train", "write_run_config",
 ]

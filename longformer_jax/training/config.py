@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import numbers
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -37,10 +39,11 @@ class Stage:
 
   def __post_init__(self):
     for name in ("seq_len", "batch_size", "steps"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"Stage.{name} must be >= 1, got {getattr(self, name)}")
-    if self.learning_rate <= 0:
-      raise ValueError(f"Stage.learning_rate must be > 0, got {self.learning_rate}")
+      _check_int(self, name, minimum=1)
+    _check_int(self, "warmup_steps")
+    _check_real(self, "learning_rate", above=0)
+    if self.end_learning_rate is not None:
+      _check_real(self, "end_learning_rate", minimum=0)
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"Stage.warmup_steps must be in [0, steps={self.steps}], "
                        f"got {self.warmup_steps}")
@@ -87,13 +90,30 @@ class TrainConfig:
     if not self.stages:
       raise ValueError("TrainConfig.stages is empty: give at least one Stage")
     for i, stage in enumerate(self.stages):
+      if not isinstance(stage, Stage):
+        raise TypeError(f"TrainConfig.stages[{i}] must be a Stage, got {stage!r}")
+    if not isinstance(self.dataset, str):
+      raise TypeError(f"TrainConfig.dataset must be a str, got {self.dataset!r}")
+    _check_int(self, "seed", minimum=0)  # the batch sampler's seeds are non-negative
+    for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                 "eval_batch_size"):
+      _check_int(self, name, minimum=1)
+    for name in ("microbatch_size", "eval_tokens"):  # None: no accumulation / the whole split
+      if getattr(self, name) is not None:
+        _check_int(self, name, minimum=1)
+    _check_real(self, "weight_decay", minimum=0)
+    _check_real(self, "clip_norm", above=0)
+    for name in ("adam_b1", "adam_b2"):
+      _check_real(self, name, minimum=0, below=1)
+    _check_real(self, "adam_eps", above=0)
+    if not isinstance(self.async_checkpoints, bool):
+      raise TypeError(f"TrainConfig.async_checkpoints must be a bool, got "
+                      f"{self.async_checkpoints!r}")
+    for i, stage in enumerate(self.stages):
       if self.microbatch_size is not None and stage.batch_size % self.microbatch_size:
         raise ValueError(f"stages[{i}].batch_size={stage.batch_size} is not a multiple of "
                          f"microbatch_size={self.microbatch_size}")
     object.__setattr__(self, "mesh_shape", check_mesh_shape(self.mesh_shape))
-    for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
 
   @property
   def total_steps(self) -> int:
@@ -112,6 +132,38 @@ class TrainConfig:
   def stage_windows(self, i: int) -> tuple[int, ...]:
     """The per-layer windows of stage `i` (-1: the last): its own, else the model config's."""
     return self.stages[i].windows or self.model.layer_windows
+
+
+def _check_int(cfg, name: str, *, minimum: int | None = None) -> None:
+  """Raises unless `cfg.<name>` is an int (a bool or an integral float is not) >= `minimum`."""
+  value = getattr(cfg, name)
+  where = f"{type(cfg).__name__}.{name}"
+  if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+    raise TypeError(f"{where} must be an int, got {value!r}")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{where} must be >= {minimum}, got {value!r}")
+
+
+def _check_real(cfg, name: str, *, minimum: float | None = None, above: float | None = None,
+                below: float | None = None) -> None:
+  """Raises unless `cfg.<name>` is a finite real number (not a bool) in the given bounds
+  (`minimum` inclusive, `above` and `below` exclusive)."""
+  value = getattr(cfg, name)
+  where = f"{type(cfg).__name__}.{name}"
+  if not isinstance(value, numbers.Real) or isinstance(value, bool):
+    raise TypeError(f"{where} must be a real number, got {value!r}")
+  if not math.isfinite(value):
+    raise ValueError(f"{where} must be finite, got {value!r}")
+  bounds = []
+  if minimum is not None:
+    bounds.append((value >= minimum, f">= {minimum}"))
+  if above is not None:
+    bounds.append((value > above, f"> {above}"))
+  if below is not None:
+    bounds.append((value < below, f"< {below}"))
+  if not all(ok for ok, _ in bounds):
+    raise ValueError(f"{where} must be {' and '.join(text for _, text in bounds)}, "
+                     f"got {value!r}")
 
 
 # Paper Appendix B, Table 12, "#Steps per phase (small)" and "(large)". The appendix says each
@@ -160,38 +212,62 @@ def paper_stages(model: CharLMConfig, *, first_seq_len: int = 2048, last_seq_len
 RUN_CONFIG = "run_config.json"
 
 
-def write_run_config(workdir: str | os.PathLike, cfg: TrainConfig) -> None:
-  """<workdir>/run_config.json: the whole config, so that evaluation rebuilds the run's model.
-
-  The model config is stored with `to_dict()` and the name of its class in
-  `longformer_jax.config` (`model_config_class`); `read_run_config` inverts this.
-  """
+def config_record(cfg: TrainConfig) -> dict[str, Any]:
+  """`cfg` as JSON values: the model config by `to_dict()` plus the name of its class in
+  `longformer_jax.config` (`model_config_class`), stages as dicts. `config_from_record`
+  inverts it; run_config.json and every checkpoint's meta hold one."""
   record = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
   record["model_config_class"] = type(cfg.model).__name__
   record["model"] = cfg.model.to_dict()
   record["stages"] = [dataclasses.asdict(s) for s in cfg.stages]
-  workdir = epath.Path(workdir)
-  workdir.mkdir(parents=True, exist_ok=True)
-  atomic_write(workdir / RUN_CONFIG, json.dumps(record, indent=2) + "\n")
+  return json.loads(json.dumps(record))  # tuples as lists: what a JSON file gives back
 
 
-def read_run_config(workdir: str | os.PathLike) -> TrainConfig:
-  """The `TrainConfig` of <workdir>/run_config.json (written by `train`)."""
-  path = epath.Path(workdir) / RUN_CONFIG
-  if not path.exists():
-    raise FileNotFoundError(f"{path} not found: is {workdir} a training workdir?")
-  record = json.loads(path.read_text())
+def config_from_record(record: dict[str, Any], where: str = "run record") -> TrainConfig:
+  """The `TrainConfig` of a `config_record` (other keys, e.g. the data fingerprint, ignored)."""
+  record = dict(record)
+  record.pop("data", None)
   name = record.pop("model_config_class")
   config_class = getattr(model_configs, name, None)
   if not (isinstance(config_class, type)
           and issubclass(config_class, model_configs.TransformerConfig)):
-    raise ValueError(f"{path}: model_config_class={name!r} is not a config class of "
+    raise ValueError(f"{where}: model_config_class={name!r} is not a config class of "
                      "longformer_jax.config")
   model = config_class.from_dict(record.pop("model"))
   final_eval = record.pop("final_eval")
   record = _tuples(record)
   record["stages"] = tuple(Stage(**s) for s in record["stages"])
   return TrainConfig(model=model, final_eval=final_eval, **record)
+
+
+def write_run_config(workdir: str | os.PathLike, cfg: TrainConfig | dict[str, Any]) -> bool:
+  """Writes <workdir>/run_config.json (`config_record(cfg)`, or a record given as a dict) unless
+  it exists: a run's stored settings are written once, when it starts, and never rewritten
+  (`training.identity`). Returns whether it wrote the file."""
+  record = cfg if isinstance(cfg, dict) else config_record(cfg)
+  workdir = epath.Path(workdir)
+  if (workdir / RUN_CONFIG).exists():
+    return False
+  workdir.mkdir(parents=True, exist_ok=True)
+  atomic_write(workdir / RUN_CONFIG, json.dumps(record, indent=2) + "\n")
+  return True
+
+
+def read_run_record(workdir: str | os.PathLike) -> dict[str, Any]:
+  """The JSON record of <workdir>/run_config.json (FileNotFoundError naming it if missing)."""
+  path = epath.Path(workdir) / RUN_CONFIG
+  if not path.exists():
+    raise FileNotFoundError(f"{path} not found: is {workdir} a training workdir?")
+  try:
+    return json.loads(path.read_text())
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path} is not valid JSON ({e})") from None
+
+
+def read_run_config(workdir: str | os.PathLike) -> TrainConfig:
+  """The `TrainConfig` of <workdir>/run_config.json (written by `train` when the run started)."""
+  return config_from_record(read_run_record(workdir),
+                            str(epath.Path(workdir) / RUN_CONFIG))
 
 
 def _tuples(x):

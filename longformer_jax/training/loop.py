@@ -5,19 +5,26 @@ The loop in one paragraph (`train`):
      names and `TrainConfig.logical_rules`; the batch is split over data and fsdp, the length of
      [batch, length] arrays over seq; the task builds its model with the mesh, so the attention
      op runs per shard (and sequence-parallel when seq > 1).
-  2. Resume order: the latest checkpoint under `<workdir>/checkpoints` gives the train state
-     (float32 params and optimizer state restored straight into their shardings; the step) and
-     the metadata (stage, the stage's batch iterator state). Without one, parameters are
-     initialised already sharded (jit with out_shardings), never materialised on one device.
+  2. Resume: the run's settings (`training.identity`) are checked against those saved with the
+     newest checkpoint under `<workdir>/checkpoints` that restores and verifies (damaged ones
+     are skipped with a warning and kept), before anything is written; its train state (float32
+     params and optimizer state, restored straight into their shardings; the step) and metadata
+     (stage, the stage's batch iterator state) continue the run. Without one, parameters are
+     initialised already sharded (jit with out_shardings), never materialised on one device,
+     and run_config.json is written (once: it is never rewritten).
   3. For each stage from the current one: the task's batch iterator for the stage, moved to the
      stage-local step (`load_state`); one jit-compiled step per stage (sequence length and
      windows are static shapes); the state is donated.
   4. Every step: the loss reaches the host (progress bar, JSONL, TensorBoard); a non-finite
-     loss stops the run *before* anything is saved (`NonFiniteLossError`), so the last
-     checkpoint stays the last good one. The task's validation metrics every `eval_every` steps
-     and at the end. Checkpoints every `checkpoint_every` steps, at stage ends and at the end,
-     asynchronously; SIGTERM (a preempted TPU VM) saves and returns. With several processes
-     all of them save and return after the same step, whichever of them got the signal.
+     loss or gradient norm stops the run before anything is saved (`NonFiniteLossError`). The
+     task's validation metrics every `eval_every` steps and at the end. Checkpoints every
+     `checkpoint_every` steps, at stage ends and at the end, asynchronously, each only after a
+     health check (`Trainer.health`: the new parameters' loss and gradient on the step's batch
+     are finite, and so is the whole state), so the newest checkpoint is always one the run can
+     go on from. A background save that failed stops the run at the next step
+     (`checkpoint.CheckpointSaveError`). SIGTERM (a preempted TPU VM) saves and returns. With
+     several processes all of them save and return after the same step, whichever of them got
+     the signal.
 
 Everything random is a function of (seed, step): initialisation, the batches (the task's
 iterators are) and the dropout keys (`fold_in(seed, step)`, then `fold_in(., microbatch)`), so a
@@ -31,8 +38,9 @@ import functools
 import math
 import os
 import signal
+import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +54,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from longformer_jax import checkpoint
 from longformer_jax.training.charlm import CharLMTask
-from longformer_jax.training.config import Stage, TrainConfig, write_run_config
+from longformer_jax.training import identity
+from longformer_jax.training.config import (RUN_CONFIG, Stage, TrainConfig, config_record,
+                                             read_run_record, write_run_config)
 from longformer_jax.training.metrics import MetricsLog, plot_curves
 from longformer_jax.training.schedule import learning_rate_schedule, make_optimizer
 from longformer_jax.training.sharding import (batch_sharding, make_mesh, param_shardings,
@@ -55,7 +65,12 @@ from longformer_jax.training.task import Task
 
 
 class NonFiniteLossError(RuntimeError):
-  """The loss became NaN or inf; nothing was saved after the last good checkpoint."""
+  """The loss, the gradients or the parameters became NaN or inf; nothing was saved after the
+  last good checkpoint, which the message names."""
+
+
+_RETRY = ("Resume with a lower learning rate or more warm-up (changes to a started stage need "
+          "--allow-change stages.N.learning_rate, or train(..., allow_changes=[...])).")
 
 
 @jax.tree_util.register_dataclass
@@ -96,7 +111,7 @@ class Trainer:
                                       opt_state=opt_shardings)
     self._rest = None
     self._steps = {}
-    self._jitted = {}
+    self._jitted_fns = {}
 
   def _build_rest(self):
     return nnx.split(self._build(), nnx.Param, ...)[2]
@@ -127,68 +142,99 @@ class Trainer:
   def model(self, params) -> nnx.Module:
     return nnx.merge(self.graphdef, params, self.rest)
 
-  def _train_step(self, state: TrainState, batch, rest, *, stage: Stage, accum: int):
-    step_key = jax.random.fold_in(jax.random.key(self.cfg.seed), state.step)
+  def _loss_and_grads(self, params, rest, batch, step_key, *, stage: Stage, accum: int):
+    """The mean loss of `batch` and its gradients, over `accum` microbatches."""
     # nnx's transform, not jax's: models whose layers keep RNG streams (nnx.Dropout(rngs=...))
     # advance them inside the loss, which jax.value_and_grad refuses.
     grad_fn = nnx.value_and_grad(lambda params, rest, batch, key: self.task.loss(
         nnx.merge(self.graphdef, params, rest), batch, stage, key))
     if accum == 1:
-      loss, grads = grad_fn(state.params, rest, batch, step_key)
-    else:
-      # Microbatch m takes rows m, m + accum, ...: every device keeps its own rows (the batch is
-      # sharded in contiguous blocks), so no data moves between devices.
-      def split(x):
-        x_MxB = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(
-            x_MxB, NamedSharding(self.mesh, P(None, *self.batch_sharding(x.shape).spec)))
+      return grad_fn(params, rest, batch, step_key)
+    # Microbatch m takes rows m, m + accum, ...: every device keeps its own rows (the batch is
+    # sharded in contiguous blocks), so no data moves between devices.
+    def split(x):
+      x_MxB = x.reshape(x.shape[0] // accum, accum, *x.shape[1:]).swapaxes(0, 1)
+      return jax.lax.with_sharding_constraint(
+          x_MxB, NamedSharding(self.mesh, P(None, *self.batch_sharding(x.shape).spec)))
 
-      def body(carry, xs):
-        loss_sum, grad_sum = carry
-        m, microbatch = xs
-        # The Variables anew at this trace level (nnx transforms refuse outer ones).
-        params, rest_m = jax.tree.map(lambda x: x, (state.params, rest))
-        loss, grads = grad_fn(params, rest_m, microbatch, jax.random.fold_in(step_key, m))
-        return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
+    def body(carry, xs):
+      loss_sum, grad_sum = carry
+      m, microbatch = xs
+      # The Variables anew at this trace level (nnx transforms refuse outer ones).
+      params_m, rest_m = jax.tree.map(lambda x: x, (params, rest))
+      loss, grads = grad_fn(params_m, rest_m, microbatch, jax.random.fold_in(step_key, m))
+      return (loss_sum + loss, jax.tree.map(jnp.add, grad_sum, grads)), None
 
-      zeros = jax.tree.map(jnp.zeros_like, state.params)
-      (loss, grads), _ = jax.lax.scan(
-          body, (jnp.zeros((), jnp.float32), zeros),
-          (jnp.arange(accum), jax.tree.map(split, batch)))
-      loss = loss / accum
-      grads = jax.tree.map(lambda g: g / accum, grads)
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (loss, grads), _ = jax.lax.scan(
+        body, (jnp.zeros((), jnp.float32), zeros),
+        (jnp.arange(accum), jax.tree.map(split, batch)))
+    return loss / accum, jax.tree.map(lambda g: g / accum, grads)
+
+  def _step_key(self, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.key(self.cfg.seed), step)
+
+  def _train_step(self, state: TrainState, batch, rest, *, stage: Stage, accum: int):
+    loss, grads = self._loss_and_grads(state.params, rest, batch, self._step_key(state.step),
+                                       stage=stage, accum=accum)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads),
                "learning_rate": learning_rate_schedule(self.cfg)(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+  def _health(self, state: TrainState, batch, rest, *, stage: Stage, accum: int):
+    # The computation the next step would start with, on this step's batch: a state whose loss
+    # or gradients overflow would stop the run at its next step, so it is not a good checkpoint.
+    loss, grads = self._loss_and_grads(state.params, rest, batch, self._step_key(state.step),
+                                       stage=stage, accum=accum)
+    leaves = [x for x in jax.tree.leaves((state.params, state.opt_state))
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    return {"loss": loss, "grad_norm": optax.tree.norm(grads), "finite": finite}
+
+  def health(self, stage_index: int, state: TrainState, batch) -> dict[str, float]:
+    """Whether `state` is fit to be saved: {"loss", "grad_norm"} of its parameters on `batch`
+    (this step's), and "finite": 1.0 if every parameter and optimizer value is finite, else 0.
+    Costs one forward and backward pass; the state is not donated."""
+    shapes = tuple((name, tuple(x.shape)) for name, x in batch.items())
+    out = self._jitted(stage_index, shapes, health=True)(state, batch, self.rest)
+    return {k: float(v) for k, v in out.items()}
+
   def batch_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
     """The sharding of a global batch array of `shape` (`sharding.batch_sharding`)."""
     return batch_sharding(self.mesh, self.cfg.logical_rules, shape)
 
-  def _jitted_step(self, stage_index: int, shapes: tuple[tuple[str, tuple[int, ...]], ...]):
+  def _jitted(self, stage_index: int, shapes: tuple[tuple[str, tuple[int, ...]], ...], *,
+              health: bool = False):
     # The batch's shardings depend on its arrays' shapes (only [batch, length] arrays are split
-    # over seq), which the task decides: one jit per stage and batch layout.
-    key = (stage_index, shapes)
-    if key not in self._jitted:
+    # over seq), which the task decides: one jit per stage and batch layout (and one for the
+    # health check of saved states).
+    key = (stage_index, shapes, health)
+    if key not in self._jitted_fns:
       stage = self.cfg.stages[stage_index]
       accum = 1 if self.cfg.microbatch_size is None else (
           stage.batch_size // self.cfg.microbatch_size)
-      self._jitted[key] = jax.jit(
-          functools.partial(self._train_step, stage=stage, accum=accum),
-          in_shardings=(self.state_shardings,
-                        {name: self.batch_sharding(shape) for name, shape in shapes},
-                        self.replicated),
-          out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-    return self._jitted[key]
+      in_shardings = (self.state_shardings,
+                      {name: self.batch_sharding(shape) for name, shape in shapes},
+                      self.replicated)
+      if health:
+        self._jitted_fns[key] = jax.jit(
+            functools.partial(self._health, stage=stage, accum=accum),
+            in_shardings=in_shardings, out_shardings=self.replicated)
+      else:
+        self._jitted_fns[key] = jax.jit(
+            functools.partial(self._train_step, stage=stage, accum=accum),
+            in_shardings=in_shardings, out_shardings=(self.state_shardings, self.replicated),
+            donate_argnums=0)
+    return self._jitted_fns[key]
 
   def train_step(self, stage_index: int) -> Callable:
     """The jitted step of a stage: (state, global batch) -> (state, metrics); donates state."""
     if stage_index not in self._steps:
       def step(state, batch):
         shapes = tuple((name, tuple(x.shape)) for name, x in batch.items())
-        return self._jitted_step(stage_index, shapes)(state, batch, self.rest)
+        return self._jitted(stage_index, shapes)(state, batch, self.rest)
       self._steps[stage_index] = step
     return self._steps[stage_index]
 
@@ -206,7 +252,7 @@ class Trainer:
     abstract_rest = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
         jax.eval_shape(self._build_rest))
-    return self._jitted_step(stage_index, shapes).lower(self.abstract_state(), abstract_batch,
+    return self._jitted(stage_index, shapes).lower(self.abstract_state(), abstract_batch,
                                                         abstract_rest)
 
   def global_batch(self, local: Mapping[str, np.ndarray], global_batch_size: int
@@ -222,14 +268,14 @@ class Trainer:
       out[name] = jax.make_array_from_process_local_data(self.batch_sharding(shape), x, shape)
     return out
 
-  def save(self, manager, state: TrainState, meta: dict[str, Any]) -> None:
-    checkpoint.save_train_state(manager, int(meta["step"]), state.params, state.opt_state, meta)
-
-  def restore(self, manager, step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
-    """(state, meta) of `step` (default: the latest), straight into the state's shardings."""
+  def restore(self, path, step: int | None = None, check_meta=None
+              ) -> tuple[TrainState, dict[str, Any]]:
+    """(state, meta) of checkpoint `step` under `path` (a workdir or its checkpoints/; default:
+    the newest that restores and verifies), straight into the state's shardings
+    (`checkpoint.restore_train_state`; check_meta: as there)."""
     target = self.abstract_state()
     params, opt_state, meta = checkpoint.restore_train_state(
-        manager, target.params, target.opt_state, step)
+        path, target.params, target.opt_state, step=step, check_meta=check_meta)
     step_array = jax.make_array_from_callback(
         (), self.replicated, lambda _: np.asarray(meta["step"], np.int32))
     return TrainState(step=step_array, params=params, opt_state=opt_state), meta
@@ -333,7 +379,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
           train_data: np.ndarray | None = None, valid_data: np.ndarray | None = None,
           mesh: Mesh | None = None, progress: bool = True, logdir: str | os.PathLike | None = None,
           step_hook: Callable[[int, dict[str, float]], None] | None = None,
-          task: Task | None = None) -> dict[str, Any]:
+          task: Task | None = None, allow_changes: Sequence[str] = ()) -> dict[str, Any]:
   """Runs (or resumes) the staged schedule of `cfg` in `workdir`; returns a summary dict.
 
   task: what is trained (default: the char LM, `CharLMTask(train_data, valid_data)`).
@@ -343,8 +389,13 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
     or to raise SIGTERM).
   logdir: local directory for metrics.jsonl, tensorboard/ and curves.png (default: the workdir
     when it is local, else runs/<workdir name>: JSONL appends need a local file system).
+  allow_changes: dotted names of optimiser/schedule settings that may differ from the run's on
+    resume (`training.identity`); the model and the data never may.
   Returns {"status": "done" | "preempted", "step", "last_loss", and the last validation
   metrics, e.g. "valid_bpc"}.
+  Raises `identity.RunMismatchError` (before anything is written), `NonFiniteLossError`,
+  `checkpoint.CheckpointError` (a failed save, or no checkpoint that restores): one-line
+  messages.
   """
   if task is None:
     task = CharLMTask(train_data, valid_data)
@@ -356,27 +407,64 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
   logdir = Path(logdir)
   is_main = jax.process_index() == 0
   trainer = Trainer(cfg, mesh, task)
+  checkpoints_dir = workdir / checkpoint.CHECKPOINTS
 
-  manager = checkpoint.checkpoint_manager(
-      workdir / checkpoint.CHECKPOINTS, max_to_keep=cfg.keep_checkpoints,
-      async_save=cfg.async_checkpoints)
-  batches_state = None
-  if manager.latest_step() is not None:
-    state, meta = trainer.restore(manager)
-    step, batches_state = int(meta["step"]), meta["sampler"]
-    if is_main:
-      print(f"resumed from step {step} (stage {meta['stage']}) in {manager.directory}")
+  # 1. Identity and state, before anything is written: the run's settings are those of the
+  # checkpoint resumed from (else of run_config.json, for a run that never saved).
+  record = {**config_record(cfg), "data": task.data_identity(cfg)}
+  where = f" {workdir}"
+  accepted = []
+
+  def check_meta(meta):
+    accepted[:] = identity.check_resume(meta["run"], record, step=meta["step"],
+                                        allow=allow_changes, where=where)
+
+  steps = checkpoint.checkpoint_steps(checkpoints_dir)
+  damaged, batches_state, last_good = [], None, None
+  if steps:
+    state, meta = trainer.restore(checkpoints_dir, check_meta=check_meta)
+    step, batches_state, last_good = int(meta["step"]), meta["sampler"], int(meta["step"])
+    damaged = [s for s in steps if s > step]
   else:
+    if (workdir / RUN_CONFIG).exists():
+      check_meta({"run": read_run_record(workdir), "step": 0})
     state, step = trainer.init_state(), 0
-  metrics_log = MetricsLog(logdir, step, enabled=is_main)
   if is_main:
-    write_run_config(workdir, cfg)
-  summary = {"status": "done", "step": step, "last_loss": None}
+    if steps:
+      print(f"resumed from step {step} (stage {meta['stage']}) in {checkpoints_dir}")
+    if accepted:
+      print(f"settings changed on resume: {'; '.join(accepted)}")
+    write_run_config(workdir, record)  # only when the run starts: never rewritten
 
-  def save(stage_index, batches):
-    if manager.latest_step() != step:
-      trainer.save(manager, state, {"step": step, "stage": stage_index,
-                                    "sampler": batches.state(), "dataset": cfg.dataset})
+  writer = checkpoint.TrainCheckpoints(checkpoints_dir, keep=cfg.keep_checkpoints,
+                                       async_save=cfg.async_checkpoints, protect=damaged)
+  metrics_log = MetricsLog(logdir, step, enabled=is_main)
+  summary = {"status": "done", "step": step, "last_loss": None}
+  last_saved = step if steps else None
+
+  def good_checkpoint(failed_step: int) -> str:
+    if last_good is None:
+      return f"No good checkpoint exists yet (none was saved before step {failed_step})."
+    return f"The last good checkpoint is step {last_good} in {checkpoints_dir}."
+
+  def save(stage_index, batches, batch):
+    nonlocal last_saved, last_good
+    if last_saved == step:
+      return
+    # Saved only if the state is one the run can go on from (docs/charlm.md, "Run integrity").
+    health = trainer.health(stage_index, state, batch)
+    if not (health["finite"] and math.isfinite(health["loss"])
+            and math.isfinite(health["grad_norm"])):
+      writer.wait()
+      raise NonFiniteLossError(
+          f"the update of step {step} diverged (its parameters give loss {health['loss']:.4g}, "
+          f"gradient norm {health['grad_norm']:.4g}"
+          f"{'' if health['finite'] else ', non-finite values in the state'}); not saved. "
+          f"{good_checkpoint(step)} {_RETRY}")
+    if writer.save(step, state.params, state.opt_state, {
+        "step": step, "stage": stage_index, "sampler": batches.state(), "run": record}):
+      last_good = step
+    last_saved = step
 
   pbar = None
   if progress and is_main:
@@ -400,18 +488,18 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
         tokens_per_step = stage.batch_size * stage.seq_len
         tick = time.perf_counter()
         while step < stage_start + stage.steps:
-          state, metrics = train_step(state, trainer.global_batch(next(batches),
-                                                                  stage.batch_size))
+          batch = trainer.global_batch(next(batches), stage.batch_size)
+          state, metrics = train_step(state, batch)
           loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
           # A finite loss with non-finite gradients would save NaN parameters: stop on either.
           if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            manager.wait_until_finished()
+            writer.wait()
             raise NonFiniteLossError(
                 f"loss is {loss} (gradient norm {grad_norm}) at step {step + 1} (stage "
-                f"{stage_index}, seq_len {stage.seq_len}); stopped without saving. The last "
-                f"good checkpoint is step {manager.latest_step()} in {manager.directory}: "
-                f"lower the learning rate or raise warm-up and resume from it.")
+                f"{stage_index}, seq_len {stage.seq_len}); stopped without saving. "
+                f"{good_checkpoint(step + 1)} {_RETRY}")
           step += 1
+          writer.check()  # a background save that failed stops the run now
           now = time.perf_counter()
           tokens_per_s = tokens_per_step / max(now - tick, 1e-9)
           tick = now
@@ -440,19 +528,23 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
             tick = time.perf_counter()  # evaluation time is not training throughput
           summary["step"] = step
           if _any_process(preemption.requested):
-            save(stage_index, batches)
+            save(stage_index, batches, batch)
+            writer.wait()  # the step is on disk before the process reports it and exits
             summary["status"] = "preempted"
             if is_main:
-              print(f"\nSIGTERM: saved step {step} in {manager.directory}; exiting.")
+              print(f"\nSIGTERM: saved step {step} in {checkpoints_dir}; exiting.")
             return summary
           if step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps:
-            save(stage_index, batches)
+            save(stage_index, batches, batch)
+      writer.wait()
       return summary
   finally:
     if pbar is not None:
       pbar.close()
-    manager.wait_until_finished()
-    manager.close()
     metrics_log.close()
     if is_main and metrics_log.path.exists():
-      plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)
+      try:
+        plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)
+      except OSError as e:  # e.g. the disk that failed a save: the plot must not hide that
+        print(f"warning: could not write {logdir / 'curves.png'}: {e}", file=sys.stderr)
+    writer.close()

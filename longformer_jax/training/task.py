@@ -55,6 +55,12 @@ class Task(abc.ABC):
   def check(self, cfg: TrainConfig) -> None:
     """Raises ValueError when `cfg` is not a run this task can train (default: accepts all)."""
 
+  def data_identity(self, cfg: TrainConfig) -> dict[str, Any]:
+    """JSON values that change whenever the training data does (e.g. its size and SHA-256),
+    stored with the run and compared on resume (`training.identity`; default: none)."""
+    del cfg
+    return {}
+
   @abc.abstractmethod
   def build_model(self, config: Any, rngs: nnx.Rngs, mesh: Mesh | None = None,
                   seq_axis: str | None = None) -> nnx.Module:

@@ -1,0 +1,556 @@
+"""Run integrity, by fault injection on the real command lines (`python -m train.charlm`,
+`python -m eval.bpc` in subprocesses): kill -9 at several points (mid-save, twice in a row,
+between checkpoints), truncated, deleted and bit-flipped checkpoint files (weights, optimizer
+state, meta), a run that diverges with a checkpoint every step, a failed save (a real EFBIG write
+error from RLIMIT_FSIZE, as a full disk gives ENOSPC), and resumes whose settings differ.
+Plus the pieces underneath: checksums, the resume rules of `training.identity`.
+
+Every run here trains the same tiny model on the same random bytes, so the uninterrupted run
+(`reference`, made once) is what every interrupted or damaged run must reproduce bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import orbax.checkpoint as ocp
+
+from longformer_jax import checkpoint
+from longformer_jax.evaluation import evaluate_run
+from longformer_jax.training import (RunMismatchError, Trainer, check_resume, config_record,
+                                     read_run_config)
+from tests.testing import seed_of
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 8
+
+CONFIG = """
+from longformer_jax.config import CharLMConfig
+from longformer_jax.training import Stage, TrainConfig
+
+def get_config():
+  model = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                       intermediate_size=64, attention_window=(4, 8))
+  return TrainConfig(model=model, dataset="enwik8_sample", stages=STAGES, eval_every=4,
+                     eval_tokens=256, eval_batch_size=4, checkpoint_every=EVERY,
+                     keep_checkpoints=4, clip_norm=CLIP)
+"""
+SANE = f"(Stage(seq_len=16, batch_size=4, steps={STEPS}, learning_rate=3e-3, warmup_steps=1),)"
+# Three sane steps, then a learning rate that blows the parameters up.
+DIVERGING = ("(Stage(seq_len=16, batch_size=4, steps=3, learning_rate=3e-3),"
+             " Stage(seq_len=16, batch_size=4, steps=3, learning_rate=1e30))")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  base = tmp_path_factory.mktemp("integrity")
+  rng = random.Random(seed_of("integrity data"))
+  (base / "data.bin").write_bytes(bytes(rng.randrange(256) for _ in range(20_000)))
+  (base / "other.bin").write_bytes(bytes(rng.randrange(256) for _ in range(20_000)))
+  for name, stages, every, clip in [("sane", SANE, 2, 1.0), ("diverging", DIVERGING, 1, 1e30)]:
+    text = CONFIG.replace("STAGES", stages).replace("EVERY", str(every))
+    (base / f"{name}.py").write_text(text.replace("CLIP", str(clip)))
+  return base
+
+
+def _env():
+  # No libtpu start-up lines on stderr, no .pyc files (RLIMIT_FSIZE must hit the checkpoint).
+  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONDONTWRITEBYTECODE="1")
+
+
+def _train_command(files, workdir, *args, config="sane"):
+  return [sys.executable, "-m", "train.charlm", "--config", str(files / f"{config}.py"),
+          "--workdir", str(workdir), "--data-file", str(files / "data.bin"), "--no-progress",
+          "--skip-final-eval", *args]
+
+
+def _run(command, **kw) -> subprocess.CompletedProcess:
+  return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
+                        timeout=600, **kw)
+
+
+def _train(files, workdir, *args, config="sane", **kw):
+  return _run(_train_command(files, workdir, *args, config=config), **kw)
+
+
+def _bpc(workdir, *args):
+  return _run([sys.executable, "-m", "eval.bpc", "--workdir", str(workdir), "--file",
+               str(Path(workdir).parent / "eval.bin"), "--context", "16", "--stride", "8",
+               "--no-progress", *args])
+
+
+def _stderr_lines(proc) -> list[str]:
+  return [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+def _losses(workdir) -> dict[int, float]:
+  records = [json.loads(l) for l in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  losses = {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
+  assert len(losses) == sum("train_loss" in r for r in records), "a step was logged twice"
+  return losses
+
+
+def _meta(workdir, step) -> dict:
+  return checkpoint.read_meta(workdir, step)
+
+
+def _snapshot(path) -> dict[str, tuple[int, int]]:
+  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in Path(path).rglob("*") if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(files):
+  """The uninterrupted run: checkpoints 2, 4, 6, 8."""
+  workdir = files / "reference"
+  proc = _train(files, workdir)
+  assert proc.returncode == 0, proc.stderr
+  assert _stderr_lines(proc) == []
+  assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8]
+  (files / "eval.bin").write_bytes((files / "data.bin").read_bytes()[-400:])
+  return workdir
+
+
+def _copy(reference, name) -> Path:
+  target = reference.parent / name
+  shutil.rmtree(target, ignore_errors=True)
+  shutil.copytree(reference, target)
+  return target
+
+
+def _largest_file(directory: Path) -> Path:
+  return max((p for p in directory.rglob("*") if p.is_file() and p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
+
+
+def _flip_bits(path: Path, count: int, seed: int) -> None:
+  data = bytearray(path.read_bytes())
+  rng = random.Random(seed)
+  for _ in range(count):
+    i = rng.randrange(len(data) // 4, 3 * len(data) // 4)
+    data[i] ^= 1 << rng.randrange(8)
+  path.write_bytes(bytes(data))
+
+
+# ----------------------------------------------------------------------------------------------
+# kill -9
+
+
+def _kill_when(command, ready, timeout=300) -> str:
+  """Starts `command`, SIGKILLs it as soon as `ready()` holds (checked every millisecond) and
+  returns what it wrote to stderr until then."""
+  with subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+                        stderr=subprocess.PIPE, text=True) as proc:
+    deadline = time.time() + timeout
+    try:
+      while not ready():
+        assert proc.poll() is None, "the run ended before the moment to kill it came"
+        assert time.time() < deadline, "timed out waiting for the moment to kill the run"
+        time.sleep(0.001)
+      proc.send_signal(signal.SIGKILL)
+    finally:
+      proc.wait()
+    return proc.stderr.read()
+
+
+def _saving(workdir, step, again=False):
+  """True while step's save is being written. again: a leftover of that name from a killed run
+  is there at first; wait for the new run to remove it and start its own save."""
+  path = Path(workdir) / "checkpoints" / f"{step}.orbax-checkpoint-tmp"
+  gone = [not again]
+
+  def ready():
+    exists = path.exists()
+    gone[0] = gone[0] or not exists
+    return gone[0] and exists
+  return ready
+
+
+def _logged(workdir, step):
+  def ready():
+    path = Path(workdir) / "metrics.jsonl"
+    return path.exists() and f'"step": {step},' in path.read_text()
+  return ready
+
+
+def test_kill_9_mid_save_twice_and_between_checkpoints_resumes_bit_identically(files,
+                                                                               reference):
+  workdir = files / "killed"
+  command = _train_command(files, workdir)
+  _kill_when(command, _saving(workdir, 4))        # mid-save of step 4
+  assert checkpoint.checkpoint_steps(workdir) == [2]
+  assert checkpoint.incomplete_saves(workdir) == ["4.orbax-checkpoint-tmp"]
+  stderr = _kill_when(command, _saving(workdir, 4, again=True))  # again, in the resumed run
+  assert checkpoint.checkpoint_steps(workdir) == [2]
+  # What the first kill left was removed, and said so, before the second save began.
+  assert stderr.splitlines()[0] == (
+      f"warning: removing incomplete checkpoint directories an interrupted save left in "
+      f"{workdir / 'checkpoints'}: 4.orbax-checkpoint-tmp")
+  # Between checkpoints: step 7 done, step 6 on disk.
+  _kill_when(command, lambda: _logged(workdir, 7)() and (workdir / "checkpoints" / "6").exists())
+  assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6]
+  assert checkpoint.incomplete_saves(workdir) == []
+  proc = _train(files, workdir)
+  assert proc.returncode == 0, proc.stderr
+  assert _losses(workdir) == _losses(reference)   # every step's loss, bit for bit
+  for step in (6, 8):
+    assert _meta(workdir, step)["checksums"] == _meta(reference, step)["checksums"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Damaged checkpoints
+
+
+def _damage(workdir: Path, kind: str, item: str = "params", step: int = 8) -> None:
+  item_dir = workdir / "checkpoints" / str(step) / item
+  if kind == "truncate":
+    target = _largest_file(item_dir)
+    target.write_bytes(target.read_bytes()[:target.stat().st_size // 3])
+  elif kind == "delete":
+    _largest_file(item_dir).unlink()
+  elif kind == "flip":
+    # In the compressed chunks: the file may no longer decode, or decode to other values.
+    _flip_bits(_largest_file(item_dir), 64, seed_of(workdir.name))
+  elif kind == "altered":
+    # One weight one ulp off, written by Orbax itself: it decodes perfectly, and only the
+    # checksums can tell.
+    trainer = Trainer(read_run_config(workdir))
+    target = trainer.abstract_state().params if item == "params" else (
+        trainer.abstract_state().opt_state)
+    tree = ocp.StandardCheckpointer().restore(item_dir, target)
+    leaves, treedef = jax.tree.flatten(tree)
+    i = next(i for i, x in enumerate(leaves) if x.dtype == jnp.float32 and x.size > 1)
+    corner = (0,) * leaves[i].ndim
+    leaves[i] = leaves[i].at[corner].set(np.nextafter(leaves[i][corner], np.float32(np.inf)))
+    writer = ocp.StandardCheckpointer()
+    writer.save(item_dir, jax.tree.unflatten(treedef, leaves), force=True)
+    writer.wait_until_finished()
+  elif kind == "meta":
+    path = next(p for p in item_dir.rglob("*") if p.is_file() and p.name == "metadata")
+    path.write_text(path.read_text().replace('"stage": 0', '"stage": 1'))
+  else:
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["truncate", "delete", "flip", "altered"])
+def test_damaged_weights_are_skipped_by_evaluation(files, reference, kind):
+  workdir = _copy(reference, f"damaged_params_{kind}")
+  _damage(workdir, kind)
+
+  proc = _bpc(workdir)
+  assert proc.returncode == 0, proc.stderr
+  [warning] = _stderr_lines(proc)
+  assert warning.startswith(f"warning: skipping checkpoint step 8 in {workdir / 'checkpoints'} "
+                            "(left as it is): step 8 params: ")
+  if kind == "altered":
+    assert "checksum mismatch in " in warning
+  result = json.loads(next(workdir.glob("bpc_file_*.json")).read_text())
+  data = np.frombuffer((files / "eval.bin").read_bytes(), np.uint8)
+  expected = evaluate_run(reference, data, step=6, context=16, stride=8)
+  assert result["step"] == 6 and result["bpc"] == expected["bpc"]
+
+  # Asked for by step: an error in one line, nothing written.
+  proc = _bpc(workdir, "--step", "8", "--output", str(workdir / "step8.json"))
+  assert proc.returncode == 1
+  [error] = _stderr_lines(proc)
+  assert error.startswith("error: step 8 params: ")
+  assert not (workdir / "step8.json").exists()
+
+
+def test_resume_skips_damaged_weights_and_keeps_them(files, reference):
+  # Training resumes from step 6, leaves step 8 as it is and does not save that step again.
+  # (Every kind of damage takes the code path of evaluation above; one is enough here.)
+  workdir = _copy(reference, "damaged_params_resume")
+  _damage(workdir, "altered")
+  before = _snapshot(workdir / "checkpoints" / "8")
+  proc = _train(files, workdir, "--set", "stages.0.steps=10")
+  assert proc.returncode == 0, proc.stderr
+  lines = _stderr_lines(proc)
+  assert lines[0].startswith("warning: skipping checkpoint step 8")
+  assert lines[1] == (f"warning: step 8 is not saved: a damaged checkpoint of that step is in "
+                      f"{workdir / 'checkpoints'} and is kept as it is (move it elsewhere to let "
+                      "a run save this step)")
+  assert len(lines) == 2
+  assert "resumed from step 6" in proc.stdout
+  assert _snapshot(workdir / "checkpoints" / "8") == before
+  # The 4 newest good ones, and the damaged one, which is never deleted.
+  assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8, 10]
+  losses = _losses(workdir)
+  assert {s: losses[s] for s in range(1, STEPS + 1)} == _losses(reference)
+
+
+@pytest.mark.parametrize("kind", ["flip", "altered"])
+def test_damaged_optimizer_state_blocks_resume_but_not_evaluation(files, reference, kind):
+  workdir = _copy(reference, f"damaged_opt_state_{kind}")
+  _damage(workdir, kind, item="opt_state")
+  proc = _bpc(workdir)
+  assert proc.returncode == 0 and _stderr_lines(proc) == [], proc.stderr
+  assert json.loads(next(workdir.glob("bpc_file_*.json")).read_text())["step"] == 8
+  proc = _train(files, workdir)  # the run has finished; a resume still restores first
+  assert proc.returncode == 0, proc.stderr
+  # Resumed from step 6, it trains steps 7 and 8 again, and keeps the damaged step 8.
+  [warning, not_saved] = _stderr_lines(proc)
+  assert warning.startswith("warning: skipping checkpoint step 8 in ") and (
+      "(left as it is): step 8 opt_state: " in warning)
+  if kind == "altered":
+    assert "step 8 opt_state: checksum mismatch in " in warning
+  assert not_saved.startswith("warning: step 8 is not saved: a damaged checkpoint")
+  assert _losses(workdir) == _losses(reference)
+
+
+def test_damaged_meta_is_skipped(files, reference):
+  workdir = _copy(reference, "damaged_meta")
+  _damage(workdir, "meta", item="meta")
+  proc = _bpc(workdir)
+  assert proc.returncode == 0, proc.stderr
+  [warning] = _stderr_lines(proc)
+  assert warning.endswith("step 8 meta: its contents do not match their SHA-256")
+
+
+def test_no_checkpoint_that_restores_is_one_error(files, reference):
+  workdir = _copy(reference, "all_damaged")
+  for step in checkpoint.checkpoint_steps(workdir):
+    _damage(workdir, "delete", step=step)
+  for proc in (_bpc(workdir), _train(files, workdir)):
+    assert proc.returncode == 1
+    lines = _stderr_lines(proc)
+    assert len(lines) == 5 and all(l.startswith("warning: skipping") for l in lines[:4])
+    assert lines[4].startswith(f"error: no checkpoint under {workdir / 'checkpoints'} restores:")
+  assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8]
+
+
+# ----------------------------------------------------------------------------------------------
+# Divergence, failed saves
+
+
+def test_a_diverging_run_names_a_checkpoint_that_really_is_good(files):
+  workdir = files / "diverging"
+  proc = _train(files, workdir, config="diverging")
+  assert proc.returncode == 1
+  [error] = _stderr_lines(proc)
+  assert error.startswith("error: the update of step 4 diverged (its parameters give loss ")
+  assert f"The last good checkpoint is step 3 in {workdir / 'checkpoints'}." in error
+  assert checkpoint.checkpoint_steps(workdir) == [1, 2, 3]
+  proc = _bpc(workdir)
+  assert proc.returncode == 0, proc.stderr
+  result = json.loads(next(workdir.glob("bpc_file_*.json")).read_text())
+  assert result["step"] == 3 and np.isfinite(result["bpc"]) and result["bpc"] < 9
+  # Resumed at a sane rate (asked for), the run finishes.
+  proc = _train(files, workdir, "--set", "stages.1.learning_rate=1e-3", "--set",
+                "clip_norm=1.0", "--allow-change", "stages.1.learning_rate", "--allow-change",
+                "clip_norm", config="diverging")
+  assert proc.returncode == 0, proc.stderr
+  assert ("settings changed on resume: clip_norm: 1e+30 -> 1.0; stages.1.learning_rate: 1e+30 "
+          "-> 0.001") in proc.stdout
+
+
+def test_a_run_that_diverges_at_once_says_no_checkpoint_exists(files):
+  workdir = files / "diverging_at_once"
+  proc = _train(files, workdir, "--set", "stages.0.learning_rate=1e30", config="diverging")
+  assert proc.returncode == 1
+  [error] = _stderr_lines(proc)
+  assert "the update of step 1 diverged" in error
+  assert "No good checkpoint exists yet (none was saved before step 1)." in error
+  assert checkpoint.checkpoint_steps(workdir) == []
+
+
+def test_a_failed_save_stops_the_run_at_the_next_step(files, reference):
+  workdir = files / "full_disk"
+  # A write past 16 KB fails with EFBIG, as a full disk fails with ENOSPC (SIGXFSZ, which would
+  # kill the process instead, is ignored). The run's small files stay below it; every
+  # checkpoint does not. Set by the shell: a fork of this (threaded) process could deadlock.
+  proc = _run(["bash", "-c", 'trap "" XFSZ; ulimit -f 16; exec "$@"', "limit",
+               *_train_command(files, workdir)])
+  assert proc.returncode == 1
+  *plot, error = _stderr_lines(proc)
+  # The curves plot, drawn as the run stops, cannot be written either: a warning, after which
+  # the run's error is still the last word.
+  assert all(line.startswith("warning: could not write ") for line in plot)
+  assert error.startswith(f"error: saving step 2 in {workdir / 'checkpoints'} failed: ")
+  assert "File too large" in error
+  # Stopped at the first step after the background write failed: step 3 when it failed during
+  # step 3 (logged up to 2), else in step 4's save at the latest. Never trained past the next
+  # checkpoint as if the save had worked (test_save_failure_is_seen_at_the_next_check: exactly
+  # when).
+  assert max(_losses(workdir)) in (2, 3, 4)
+  assert checkpoint.checkpoint_steps(workdir) == []
+  # Disk space back: the leftovers are removed (and said so), the run starts over and matches.
+  proc = _train(files, workdir)
+  assert proc.returncode == 0, proc.stderr
+  [note] = _stderr_lines(proc)
+  assert note.startswith("warning: removing incomplete checkpoint directories")
+  assert _losses(workdir) == _losses(reference)
+
+
+# ----------------------------------------------------------------------------------------------
+# Resumes with other settings
+
+
+def test_a_resume_with_another_model_or_data_is_refused_before_anything_is_written(files,
+                                                                                    reference):
+  workdir = _copy(reference, "mismatch")
+  before = _snapshot(workdir)
+  # Refused from the settings alone, before any array is read (the head count also changes
+  # the weights' shapes; a change that would not, e.g. the activation, is refused the same way).
+  proc = _train(files, workdir, "--set", "model.num_attention_heads=4", "--set", "seed=1")
+  assert proc.returncode == 1
+  [error] = _stderr_lines(proc)
+  assert error == (
+      f"error: cannot resume {workdir}: these settings differ from the run's at step 8: "
+      "model.num_attention_heads: 2 -> 4; seed: 0 -> 1. The model, the data and the stages "
+      "already trained are fixed within a run; start a new run in another workdir.")
+  command = _train_command(files, workdir)
+  command[command.index("--data-file") + 1] = str(files / "other.bin")
+  [error] = _stderr_lines(_run(command))
+  assert "data.train_sha256: '" in error and "data.train_bytes" not in error
+  proc = _train(files, workdir, "--set", "stages.0.learning_rate=1e-2")
+  [error] = _stderr_lines(proc)
+  assert error.endswith("To change stages.0.learning_rate on purpose, allow it (--allow-change "
+                        "FIELD, or train(..., allow_changes=[...])).")
+  assert _snapshot(workdir) == before   # run_config.json, metrics, checkpoints: untouched
+  # Extending the run is allowed; run_config.json keeps the settings the run started with.
+  proc = _train(files, workdir, "--set", "stages.0.steps=10")
+  assert proc.returncode == 0, proc.stderr
+  assert "settings changed on resume: stages.0.steps: 8 -> 10" in proc.stdout
+  assert (workdir / "run_config.json").read_bytes() == (reference / "run_config.json").read_bytes()
+  assert _meta(workdir, 10)["run"]["stages"][0]["steps"] == 10
+
+
+def _record(**changes):
+  from longformer_jax.config import CharLMConfig  # pylint: disable=g-import-not-at-top
+  from longformer_jax.training import Stage, TrainConfig  # pylint: disable=g-import-not-at-top
+  stages = changes.pop("stages", (Stage(16, 4, 10, 1e-3), Stage(32, 2, 10, 5e-4)))
+  cfg = TrainConfig(model=CharLMConfig.tiny(), stages=stages, **changes)
+  return {**config_record(cfg), "data": {"train_sha256": "ab"}}
+
+
+def test_resume_rules():
+  from longformer_jax.training import Stage  # pylint: disable=g-import-not-at-top
+  stored = _record()
+  # Free: how the run is executed and reported.
+  assert check_resume(stored, _record(eval_every=7, mesh_shape=(1, 1), microbatch_size=2,
+                                      checkpoint_every=3, async_checkpoints=False), step=15) == []
+  # Allowed: the current stage's length (not below the step reached), later stages.
+  stages = (Stage(16, 4, 10, 1e-3), Stage(32, 2, 30, 5e-4), Stage(64, 1, 5, 1e-4))
+  assert check_resume(stored, _record(stages=stages), step=15) == [
+      "stages.1.steps: 10 -> 30", "stages.2 added"]
+  with pytest.raises(RunMismatchError, match=r"stages.1.steps: 10 -> 4 \(step 15 is past"):
+    check_resume(stored, _record(stages=(stages[0], Stage(32, 2, 4, 5e-4))), step=15)
+  with pytest.raises(RunMismatchError, match=r"stages.0.steps: 10 -> 12 \(step 15 is past"):
+    check_resume(stored, _record(stages=(Stage(16, 4, 12, 1e-3), stages[1])), step=15)
+  # A stage not started yet may change in anything.
+  later = (stages[0], Stage(64, 8, 3, 1e-2, windows=(8, 8, 8, 8)))
+  assert check_resume(stored, _record(stages=later), step=10)[0] == "stages.1.seq_len: 32 -> 64"
+  # On request only: the optimiser and the schedule of started stages.
+  faster = (stages[0], Stage(32, 2, 10, 1e-3))
+  with pytest.raises(RunMismatchError, match="allow it"):
+    check_resume(stored, _record(stages=faster, clip_norm=0.5), step=15)
+  assert check_resume(stored, _record(stages=faster, clip_norm=0.5), step=15,
+                      allow=["stages.1.learning_rate", "clip_norm"]) == [
+      "clip_norm: 1.0 -> 0.5", "stages.1.learning_rate: 0.0005 -> 0.001"]
+  # Never: the model, the data, the seed, the shape of started stages; one message for all.
+  other = _record(seed=3, stages=(stages[0], Stage(32, 4, 10, 5e-4)))
+  other["data"] = {"train_sha256": "cd"}
+  with pytest.raises(RunMismatchError) as e:
+    check_resume(stored, other, step=15, allow=["stages.1.learning_rate"])
+  assert ("data.train_sha256: 'ab' -> 'cd'; seed: 0 -> 3; stages.1.batch_size: 2 -> 4"
+          in str(e.value))
+  with pytest.raises(RunMismatchError, match="cannot allow changes to model.hidden_size"):
+    check_resume(stored, stored, step=15, allow=["model.hidden_size"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Checksums
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "uint8", "bool", "key"])
+def test_checksums_see_every_bit_and_every_position(dtype):
+  rng = np.random.default_rng(seed_of("checksum", dtype))
+  if dtype == "key":
+    x = jax.random.split(jax.random.key(0), 12).reshape(3, 4)
+    data = jax.random.key_data(x)
+  else:
+    data = jnp.asarray(rng.integers(0, 2, (3, 4, 5)) if dtype == "bool"
+                       else rng.normal(size=(3, 4, 5)) * 100).astype(dtype)
+    x = data
+  base = checkpoint.checksums({"x": x})["x"]
+  assert len(base) == 16 and checkpoint.checksums({"x": x}) == {"x": base}  # deterministic
+  words = np.asarray(jax.lax.bitcast_convert_type(data, jnp.uint8) if data.dtype.itemsize > 1
+                     else data.astype(jnp.uint8))
+  flat = words.reshape(-1).copy()
+  # The first bit, one inside, the last (of a bool: its value bit).
+  for bit in (0, 8, 8 * flat.size - 8) if dtype == "bool" else (0, 5, 8 * flat.size - 1):
+    flipped = flat.copy()
+    flipped[bit // 8] ^= np.uint8(1 << bit % 8)
+    y = flipped.reshape(words.shape)
+    y = jax.lax.bitcast_convert_type(jnp.asarray(y), data.dtype) if data.dtype.itemsize > 1 \
+        else jnp.asarray(y).astype(data.dtype)
+    if dtype == "key":
+      y = jax.random.wrap_key_data(y)
+    assert checkpoint.checksums({"x": y})["x"] != base, bit
+  swapped = jnp.asarray(np.asarray(data)[:, ::-1]) if dtype != "key" else None
+  if swapped is not None and not np.array_equal(np.asarray(swapped), np.asarray(data)):
+    assert checkpoint.checksums({"x": swapped})["x"] != base
+
+
+def test_verify_checksums_names_the_damaged_array():
+  tree = {"a": jnp.arange(6.0), "b": {"c": jnp.ones((2, 3))}}
+  sums = checkpoint.checksums(tree)
+  assert set(sums) == {"a", "b/c"}
+  checkpoint.verify_checksums(tree, sums, "x")
+  broken = {"a": tree["a"], "b": {"c": tree["b"]["c"].at[1, 2].set(1.0000001)}}
+  with pytest.raises(checkpoint.DamagedCheckpointError,
+                     match=r"^x: checksum mismatch in b/c: written [0-9a-f]{16}, read "):
+    checkpoint.verify_checksums(broken, sums, "x")
+
+
+class _FailedSaves:
+  """Stands in for Orbax's CheckpointManager: every save fails in the background, as the
+  full-disk run above does, and is finished at once."""
+
+  def __init__(self):
+    self.saved = []
+
+  def save(self, step, args, force):
+    del args, force
+    self.saved.append(step)
+
+  def is_saving_in_progress(self):
+    return False
+
+  def wait_until_finished(self):
+    raise ValueError("OUT_OF_RANGE: Error writing ... File too large [os_error_code='27']\n"
+                     "(a TensorStore spec of many lines)")
+
+  def check_for_errors(self):
+    pass
+
+  def close(self):
+    pass
+
+
+def test_save_failure_is_seen_at_the_next_check(tmp_path):
+  writer = checkpoint.TrainCheckpoints(tmp_path / "checkpoints")
+  writer._manager.close()  # pylint: disable=protected-access
+  writer._manager = _FailedSaves()  # pylint: disable=protected-access
+  tree = {"w": jnp.ones(3)}
+  assert writer.save(2, tree, tree, {"step": 2})
+  with pytest.raises(checkpoint.CheckpointSaveError) as e:
+    writer.check()  # the first step after the failure
+  assert str(e.value) == (f"saving step 2 in {tmp_path / 'checkpoints'} failed: ValueError: "
+                          "OUT_OF_RANGE: Error writing ... File too large [os_error_code='27']")
+  writer.check()  # reported once
+  writer.close()
