@@ -226,12 +226,50 @@ class LongformerForMaskedLM(nnx.Module):
         initializer_range=config.initializer_range, dtype=config.dtype,
         param_dtype=config.param_dtype, rngs=rngs)
 
-  def __call__(self, input_ids, attention_mask=None, global_attention_mask=None,
-               **kwargs) -> LongformerLogitsOutput:
-    """kwargs: the other arguments of `LongformerModel.__call__`. Returns logits [B, N, V]."""
+  def __call__(self, input_ids, attention_mask=None, global_attention_mask=None, *,
+               prediction_positions=None, **kwargs) -> LongformerLogitsOutput:
+    """kwargs: the other arguments of `LongformerModel.__call__`. Returns logits [B, N, V], or
+    [B, P, V] at `prediction_positions`.
+
+    prediction_positions: int [B, P], the positions whose logits are wanted (an MLM batch's
+      masked tokens: `masked_positions`). The LM head then runs on those P rows only: its E x V
+      decoder is ~2 x 768 x 50,265 FLOPs per position, a quarter of a base model's forward
+      pass, and the [B, N, V] logits are the largest activation of a training step, while the
+      MLM loss reads 15% of the positions (paper §5 / RoBERTa's masking rate).
+    """
     out = self.longformer(input_ids, attention_mask, global_attention_mask, **kwargs)
-    logits = self.lm_head(out.last_hidden_state, self.longformer.embeddings.word_embeddings)
+    hidden_BxNxE = out.last_hidden_state
+    if prediction_positions is not None:
+      hidden_BxNxE = jnp.take_along_axis(
+          hidden_BxNxE, jnp.asarray(prediction_positions)[..., None], axis=1)
+    logits = self.lm_head(hidden_BxNxE, self.longformer.embeddings.word_embeddings)
     return LongformerLogitsOutput(logits, out.hidden_states, out.attentions)
+
+
+def masked_positions(labels_BxN: jax.Array, max_predictions: int
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The positions of each row's MLM targets (labels >= 0; -100 marks the others, as in HF), in
+  a static shape for `LongformerForMaskedLM(prediction_positions=...)`.
+
+  Returns (positions [B, P], labels [B, P], dropped [B]) with P = max_predictions: each row's
+  target positions in order, padded with position 0 and label -100 when it has fewer; `dropped`
+  counts the targets of a row beyond P, which are left out (pick P as the masker's maximum, e.g.
+  the number of positions it masks per row, so that it is always 0).
+  """
+  if not isinstance(max_predictions, int) or max_predictions < 1:
+    raise ValueError(f"max_predictions must be an int >= 1, got {max_predictions!r}")
+  labels_BxN = jnp.asarray(labels_BxN)
+  n = labels_BxN.shape[-1]
+  is_target_BxN = labels_BxN >= 0
+  # Targets first, each group in position order: a stable sort on "not a target".
+  order_BxN = jnp.argsort(~is_target_BxN, axis=-1, stable=True)
+  positions_BxP = order_BxN[:, :max_predictions] if max_predictions <= n else jnp.pad(
+      order_BxN, ((0, 0), (0, max_predictions - n)))
+  count_B = jnp.sum(is_target_BxN, axis=-1)
+  valid_BxP = jnp.arange(max_predictions)[None, :] < count_B[:, None]
+  labels_BxP = jnp.where(valid_BxP, jnp.take_along_axis(labels_BxN, positions_BxP, axis=1), -100)
+  positions_BxP = jnp.where(valid_BxP, positions_BxP, 0).astype(jnp.int32)
+  return positions_BxP, labels_BxP, jnp.maximum(count_B - max_predictions, 0)
 
 
 def _classifier(config: LongformerConfig, num_out: int, rngs: nnx.Rngs) -> nnx.LinearGeneral:
@@ -376,5 +414,5 @@ __all__ = [
     "LongformerForQuestionAnswering", "LongformerForTokenClassification",
     "LongformerForMultipleChoice", "LongformerModelOutput", "LongformerLogitsOutput",
     "LongformerQuestionAnsweringOutput", "MODEL_CLASSES", "sequence_classification_global_mask",
-    "question_answering_global_mask", "multiple_choice_global_mask",
+    "question_answering_global_mask", "multiple_choice_global_mask", "masked_positions",
 ]

@@ -55,6 +55,57 @@ def test_golden_masked_lm_logits():
       [4.128251075744629, 219.08590698242188, 0.10028688609600067], rtol=1e-6)
 
 
+def test_masked_positions_pick_each_rows_targets_in_order():
+  labels = np.full((3, 10), -100)
+  labels[0, [7, 2, 5]] = [70, 20, 50]
+  labels[1, :] = np.arange(10)  # more targets than P
+  positions, picked, dropped = modeling.masked_positions(jnp.asarray(labels), 4)
+  np.testing.assert_array_equal(positions, [[2, 5, 7, 0], [0, 1, 2, 3], [0, 0, 0, 0]])
+  np.testing.assert_array_equal(picked, [[20, 50, 70, -100], [0, 1, 2, 3], [-100] * 4])
+  np.testing.assert_array_equal(dropped, [0, 6, 0])
+  positions, picked, _ = jax.jit(modeling.masked_positions, static_argnums=1)(labels, 12)
+  assert positions.shape == (3, 12) and positions.dtype == jnp.int32
+  np.testing.assert_array_equal(picked[1], list(range(10)) + [-100, -100])
+  with pytest.raises(ValueError, match="max_predictions must be an int >= 1, got 0"):
+    modeling.masked_positions(labels, 0)
+
+
+def test_lm_head_at_the_masked_positions_equals_the_full_logits():
+  """Logits at the prediction positions are the full logits' rows; the masked-LM loss and every
+  gradient are the same computed either way (float32)."""
+  config = tiny_encoder_config()
+  model = modeling.LongformerForMaskedLM(config, rngs=nnx.Rngs(4))
+  model.eval()  # the same dropout masks in both calls: none
+  inputs = {k: jnp.asarray(v) for k, v in make_inputs(seed=5).items()}
+  rng = np.random.default_rng(6)
+  labels = np.where((rng.random((BATCH, SEQ)) < 0.3) & (inputs["attention_mask"] == 1),
+                    rng.integers(4, VOCAB, (BATCH, SEQ)), -100)
+  positions, picked, dropped = modeling.masked_positions(jnp.asarray(labels), SEQ)
+  assert int(dropped.sum()) == 0
+
+  def loss(logits, targets):
+    weights = (targets >= 0).astype(jnp.float32)
+    nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), jnp.maximum(targets, 0)[..., None],
+                               axis=-1)[..., 0]
+    return jnp.sum(nll * weights) / jnp.sum(weights)
+
+  full_fn = lambda m: loss(m(**inputs).logits, jnp.asarray(labels))  # noqa: E731
+  sparse_fn = lambda m: loss(m(**inputs, prediction_positions=positions).logits,  # noqa: E731
+                             picked)
+  full = model(**inputs).logits
+  sparse = model(**inputs, prediction_positions=positions).logits
+  assert sparse.shape == (BATCH, SEQ, VOCAB)
+  np.testing.assert_allclose(sparse, np.take_along_axis(np.asarray(full),
+                                                        np.asarray(positions)[..., None], 1),
+                             rtol=1e-5, atol=1e-5)
+  (full_loss, full_grads), (sparse_loss, sparse_grads) = (
+      nnx.value_and_grad(fn)(model) for fn in (full_fn, sparse_fn))
+  np.testing.assert_allclose(sparse_loss, full_loss, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(full_grads)),
+                  jax.tree.leaves(nnx.to_pure_dict(sparse_grads))):
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6)
+
+
 def test_config_normalises_and_round_trips():
   config = LongformerConfig(num_hidden_layers=2, attention_window=[4, 8],
                             attention_dilation=[1, [1, 1, 2, 2] * 3], dtype="bfloat16")
