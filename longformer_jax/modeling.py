@@ -233,9 +233,9 @@ class LongformerForMaskedLM(nnx.Module):
 
     prediction_positions: int [B, P], the positions whose logits are wanted (an MLM batch's
       masked tokens: `masked_positions`). The LM head then runs on those P rows only: its E x V
-      decoder is ~2 x 768 x 50,265 FLOPs per position, a quarter of a base model's forward
-      pass, and the [B, N, V] logits are the largest activation of a training step, while the
-      MLM loss reads 15% of the positions (paper §5 / RoBERTa's masking rate).
+      decoder is 2 x 768 x 50,265 = 77M FLOPs per position, about a quarter of a base model's
+      forward FLOPs by count, and the [B, N, V] logits are the largest activation of a training
+      step, while the MLM loss reads 15% of the positions (paper §5 / RoBERTa's masking rate).
     """
     out = self.longformer(input_ids, attention_mask, global_attention_mask, **kwargs)
     hidden_BxNxE = out.last_hidden_state

@@ -167,6 +167,7 @@ def test_a_run_that_diverges_at_once_has_no_good_checkpoint(tmp_path):
 _MULTI_DEVICE = textwrap.dedent("""
     import json, sys
     import jax, numpy as np
+    from longformer_jax import checkpoint
     from longformer_jax.config import CharLMConfig
     from longformer_jax.evaluation import evaluate_bpc
     from longformer_jax.training import Stage, TrainConfig, Trainer, make_mesh
@@ -185,6 +186,9 @@ _MULTI_DEVICE = textwrap.dedent("""
       devices = jax.devices()[:int(np.prod(shape))]
       trainer = Trainer(cfg, make_mesh(shape, devices))
       state = trainer.init_state()
+      # Checkpoint checksums of the sharded state equal those of the same values on one device.
+      sharded_sums = checkpoint.checksums(state.params)
+      host_sums = checkpoint.checksums(jax.device_get(state.params))
       step = trainer.train_step(0)
       losses = []
       for _ in range(3):
@@ -194,6 +198,7 @@ _MULTI_DEVICE = textwrap.dedent("""
       emb = state.params["embed"]["embedding"]
       shard_shape = lambda x: list(x.addressable_shards[0].data.shape)
       out[str(shape)] = {"losses": losses, "emb_shard_shape": shard_shape(emb),
+                         "checksums_equal": sharded_sums == host_sums,
                          "batch_shard_shape": shard_shape(batch["inputs"])}
       # Evaluation with the batch sharded over the same mesh (5 windows: padded to 8 rows).
       out[str(shape)]["bpc"] = evaluate_bpc(trainer.model(state.params), tokens.ravel()[:80],
@@ -214,6 +219,7 @@ def test_four_simulated_devices_match_one_device():
   for shape, result in out.items():
     np.testing.assert_allclose(result["losses"], ref, rtol=2e-6, err_msg=shape)
     np.testing.assert_allclose(result["bpc"], out["(1, 1)"]["bpc"], rtol=2e-6, err_msg=shape)
+    assert result["checksums_equal"], shape
   # fsdp really shards the embedding's `embed` dimension (32 / 4 = 8 columns per device); seq
   # replicates it.
   assert out["(1, 4)"]["emb_shard_shape"] == [256, 8]
