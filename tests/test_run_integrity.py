@@ -60,6 +60,7 @@ def files(tmp_path_factory):
   rng = random.Random(seed_of("integrity data"))
   (base / "data.bin").write_bytes(bytes(rng.randrange(256) for _ in range(20_000)))
   (base / "other.bin").write_bytes(bytes(rng.randrange(256) for _ in range(20_000)))
+  (base / "eval.bin").write_bytes((base / "data.bin").read_bytes()[-400:])
   for name, stages, every, clip in [("sane", SANE, 2, 1.0), ("diverging", DIVERGING, 1, 1e30)]:
     text = CONFIG.replace("STAGES", stages).replace("EVERY", str(every))
     (base / f"{name}.py").write_text(text.replace("CLIP", str(clip)))
@@ -120,7 +121,6 @@ def reference(files):
   assert proc.returncode == 0, proc.stderr
   assert _stderr_lines(proc) == []
   assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8]
-  (files / "eval.bin").write_bytes((files / "data.bin").read_bytes()[-400:])
   return workdir
 
 
