@@ -19,6 +19,8 @@ float32 1e-5, 16-bit 1e-2.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import re
 import typing
 import warnings
@@ -29,9 +31,11 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from longformer_jax.ops import attention as attention_ops
 from longformer_jax.ops.band_pallas import (BlockSizes, band_attention_pallas, check_supported,
                                             pallas_supported)
-from longformer_jax.ops.band_reference import EMPTY_LSE, band_attention_reference
+from longformer_jax.ops.band_reference import (EMPTY_LSE, band_attention_reference,
+                                               masked_softmax_attention)
 from testing import assert_close, make_band_inputs, tolerance
 
 
@@ -173,6 +177,59 @@ class TestTritonBand:
       assert np.all(np.isfinite(np.asarray(x[:, :near]))), name
 
 
+  @pytest.mark.parametrize("seed, seq, window, dilation, causal, num_global, dtype", [
+      (30, 50, 3, (1, 2, 3), False, 3, jnp.float32),  # 50: not a multiple of 2, 3 or a block
+      (31, 61, 2, (2, 2, 1, 1), True, 0, jnp.float32),  # causal takes no global keys
+      (32, 96, 5, (3, 1, 1, 3), False, 1, jnp.float32),  # runs of heads: 3 | 1, 1 | 3
+      (33, 70, 4, (1, 2, 2), False, 2, jnp.bfloat16),
+  ])
+  def test_dilation_and_global_keys(self, seed, seq, window, dilation, causal, num_global,
+                                    dtype):
+    """Dilation addressed by the kernels' BlockSpecs and the global key block merged in their
+    online softmax, against one dense softmax over [band keys of each head's dilation; global
+    keys], out, lse and the gradients of q, k, v and the global keys/values."""
+    heads, head_dim = len(dilation), 16
+    q, k, v, key_mask = make_band_inputs(seed, 2, seq, heads, head_dim, dtype, "holes")
+    rng = np.random.default_rng(seed + 1)
+    kg, vg = (jnp.asarray(rng.standard_normal((2, max(num_global, 1), heads, head_dim)), dtype)
+              for _ in range(2))
+    keep = jnp.asarray(np.arange(max(num_global, 1))[None, :] < [[num_global], [num_global - 1]])
+    has_global = num_global > 0
+
+    def kernel(q, k, v, kg, vg):
+      return band_attention_pallas(
+          q, k, v, key_mask, window=window, causal=causal, dilation=dilation,
+          global_kv=(kg, vg, keep) if has_global else None, block_sizes=self.BLOCKS,
+          interpret=self.INTERPRET, backend=self.BACKEND)
+
+    offset_NxN = np.arange(seq)[None, :] - np.arange(seq)[:, None]  # j - i
+    band_HxNxN = np.stack([(offset_NxN % d == 0) & (offset_NxN >= -window * d)
+                           & (offset_NxN <= (0 if causal else window * d)) for d in dilation])
+
+    def reference(q, k, v, kg, vg):
+      mask_BxHxNxK = band_HxNxN[None] & np.asarray(key_mask)[:, None, None, :]
+      if has_global:
+        k, v = jnp.concatenate([k, kg], axis=1), jnp.concatenate([v, vg], axis=1)
+        keep_BxHxNxG = np.broadcast_to(np.asarray(keep)[:, None, None, :],
+                                       (2, heads, seq, keep.shape[1]))
+        mask_BxHxNxK = np.concatenate([np.broadcast_to(mask_BxHxNxK, keep_BxHxNxG.shape[:3]
+                                                       + (seq,)), keep_BxHxNxG], axis=-1)
+      out, lse, _ = masked_softmax_attention(q, k, v, mask_BxHxNxK)
+      return out, lse
+
+    (out, lse), kernel_vjp = jax.vjp(kernel, q, k, v, kg, vg)
+    (out_ref, lse_ref), reference_vjp = jax.vjp(reference, q, k, v, kg, vg)
+    tol = tolerance(dtype)
+    assert_close(out, out_ref, tol, "out")
+    assert_lse_close(lse, lse_ref, tol)
+    dout = jnp.asarray(rng.standard_normal(out.shape), dtype)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+    names = ("dq", "dk", "dv", "dk_global", "dv_global")[:5 if has_global else 3]
+    for name, g, g_ref in zip(names, kernel_vjp((dout, dlse)), reference_vjp((dout, dlse))):
+      assert g.dtype == dtype
+      assert_close(g, g_ref, tol, name)
+
+
 class TestTritonBandInterpret(TestTritonBand):
   INTERPRET = True
 
@@ -180,6 +237,13 @@ class TestTritonBandInterpret(TestTritonBand):
 class TestTpuBand(TestTritonBand):
   """The compiled Mosaic TPU kernel; skips unless jax's backend is a TPU."""
   BACKEND, PLATFORM, BLOCKS, GRID = "tpu", "tpu", BlockSizes(*(128,) * 6), TPU_CASES
+
+  def test_dilation_and_global_keys(self):
+    """The TPU kernel has dilation and global keys composed around it (ops/attention.py)."""
+    q, k, v, key_mask = make_band_inputs(34, 1, 128, 2, 64, jnp.float32, "all")
+    with pytest.raises(ValueError, match="backend='tpu'.*dilation=1 and no global_kv"):
+      band_attention_pallas(q, k, v, key_mask, window=4, causal=False, dilation=(1, 2),
+                            interpret=self.INTERPRET, backend="tpu")
 
 
 class TestTpuBandInterpret(TestTpuBand):
@@ -232,6 +296,47 @@ def test_lowers_to_kernel_custom_calls(platform, causal):
   assert gradient_text.count(f"custom_call @{target}") == 3  # fwd, dq, dk/dv
   for name in ("fwd", "bwd_dq", "bwd_dkv"):
     assert re.search(f"band_attention_{name}{suffix}\\b", gradient_text), name
+
+
+def _full_size_ops(text, elements):
+  """{op name: count} of the gathers, transposes and concatenations in lowered StableHLO whose
+  result has at least `elements` elements (copies of q/k/v-sized arrays)."""
+  counts = {}
+  for line in text.splitlines():
+    match = re.search(r"(stablehlo\.(?:gather|transpose|concatenate))\b.*-> tensor<([\dx]+)x\w+>",
+                      line)
+    if match and math.prod(int(d) for d in match.group(2).split("x")) >= elements:
+      counts[match.group(1)] = counts.get(match.group(1), 0) + 1
+  return counts
+
+
+@pytest.mark.parametrize("with_globals", [False, True])
+def test_dilation_and_globals_copy_nothing_on_gpu(with_globals):
+  """The op as the GPU runs it (lowered for an H200), forward and gradients, dilation 2 on the
+  last 2 of 12 heads: the dilated heads are addressed in place (no transpose, gather or
+  concatenation of a q/k/v-sized array; the old composition lowered to 13 transposes, 7 gathers
+  and a concatenation) and each run of heads is one launch of each kernel. With a global
+  token, the only full-size transposes left are the float32 gradients of the global
+  projections' keys and values (step 4's [G x N] pass)."""
+  batch, seq, heads, head_dim = 2, 4096, 12, 64
+  dilations = (1,) * 10 + (2, 2)
+  attention_mask = jnp.ones((batch, seq), bool)
+  global_mask = jnp.zeros((batch, seq), bool).at[:, 0].set(with_globals)
+  kernel = functools.partial(band_attention_pallas, interpret=False, backend="triton",
+                             block_sizes=BlockSizes.for_device("NVIDIA H200"))
+
+  def loss(*qkv):
+    out = attention_ops._compose(
+        kernel, *qkv[:3], attention_mask, global_mask if with_globals else None,
+        qkv[3:] if with_globals else None, window=256, dilations=dilations, causal=False,
+        num_global=1, fused=True)
+    return jnp.sum(out.astype(jnp.float32))
+
+  x = jax.ShapeDtypeStruct((batch, seq, heads, head_dim), jnp.bfloat16)
+  text = _lower("cuda", jax.grad(loss, argnums=tuple(range(6))), *[x] * 6)
+  assert text.count("custom_call @__gpu$xla.gpu.triton") == 6  # 2 runs x (fwd, dq, dk/dv)
+  copies = _full_size_ops(text, batch * seq * heads * head_dim // 4)
+  assert copies == ({"stablehlo.transpose": 2} if with_globals else {}), copies
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,17 +1,20 @@
 """Pallas band-attention kernel: the band-kernel contract of `band_reference.py`, skipping every
 key block outside the band.
 
-Public entry: `band_attention_pallas(q, k, v, key_mask, *, window, causal, block_sizes=None,
-interpret=None, backend=None) -> (out [B,N,H,D], lse [B,H,N] float32)`, differentiable w.r.t.
-q, k, v with cotangents for both outputs (forward and backward are separate Pallas kernels joined
+Public entry: `band_attention_pallas(q, k, v, key_mask, *, window, causal, dilation=1,
+global_kv=None, block_sizes=None, interpret=None, backend=None) -> (out [B,N,H,D], lse [B,H,N]
+float32)`, differentiable w.r.t. q, k, v (and the global keys/values) with cotangents for both
+outputs (forward and backward are separate Pallas kernels joined
 by `jax.custom_vjp`; the backward takes the lse cotangent as ds = P * (dP - (delta - dlse))).
 
 Two kernel families share the wrapper here (padding, block bounds, custom_vjp):
 
-* backend="triton" (GPU, this file): grid (query block, batch, head); each program keeps its
-  query tile and loops with `lax.fori_loop` over only the key blocks that intersect the band of
-  that query block (bounds computed from `pl.program_id`). q, k, v stay in the caller's
-  [B, N, H, D] layout (Triton addresses strided blocks, no transpose). Backward: one kernel for
+* backend="triton" (GPU, this file): grid (query block, batch, residue, head); each program
+  keeps its query tile and loops with `lax.fori_loop` over only the key blocks that intersect the
+  band of that query block (bounds computed from `pl.program_id`), then, with global keys, over
+  one more tile holding them. q, k, v stay in the caller's [B, N, H, D] layout (Triton addresses
+  strided blocks, no transpose); a dilated head's subsequences are strided blocks of the same
+  array (docs/design.md §2.1), one launch per run of heads with one dilation. Backward: one kernel for
   dK/dV (grid over key blocks, loop over the query blocks whose band reaches them) and one for dQ
   (grid over query blocks, loop as in the forward); delta = rowsum(out * dout) - dlse is a small
   XLA reduction outside the kernels.
@@ -268,7 +271,13 @@ def band_keep(rows, cols, window, causal):
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton (GPU) kernels. Refs are 2-D [rows, head_dim] views of [B, N, H, D] arrays.
+# Triton (GPU) kernels. Refs are 2-D [rows, head_dim] views of one (batch, residue, head)'s
+# subsequence; the global key block (optional) is [globals, head_dim] with a keep vector.
+#
+# Dilation (paper §3.1) costs no copy: a head of dilation d attends an undilated band on each
+# subsequence of positions congruent mod d, and the [B, N, H, D] array seen as
+# [B, N/d, d, H, D] (a free reshape) has that subsequence as the rows of index (b, :, r, h), so
+# the kernels' BlockSpecs address it directly - the same kernels, strided rows.
 
 def _dot(a, b, precision, trans_a=False, trans_b=False):
   """a @ b (optionally transposed operands) with float32 accumulation."""
@@ -276,8 +285,32 @@ def _dot(a, b, precision, trans_a=False, trans_b=False):
   return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _triton_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, scale, window, causal,
-                       block_q, block_k, num_k_blocks, precision):
+def _online_softmax_step(carry, q_tile_QxD, k_tile_KxD, v_tile_KxD, keep_QxK, scale2, precision):
+  """One key tile of the forward's online softmax (scores in base 2)."""
+  acc_QxD, m_Q, l_Q = carry
+  s_QxK = _dot(q_tile_QxD, k_tile_KxD, precision, trans_b=True) * scale2
+  s_QxK = jnp.where(keep_QxK, s_QxK, -jnp.inf)
+  m_new_Q = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
+  # A row with no key so far keeps max -inf; exponentiate against 0 instead so that
+  # exp2(-inf - (-inf)) = NaN never happens (every term is then exp2(-inf) = 0).
+  m_safe_Q = jnp.where(m_new_Q == -jnp.inf, 0.0, m_new_Q)
+  p_QxK = jnp.exp2(s_QxK - m_safe_Q[:, None])
+  alpha_Q = jnp.exp2(m_Q - m_safe_Q)
+  l_Q = alpha_Q * l_Q + jnp.sum(p_QxK, axis=1)
+  acc_QxD = alpha_Q[:, None] * acc_QxD + _dot(p_QxK.astype(v_tile_KxD.dtype), v_tile_KxD,
+                                              precision)
+  return acc_QxD, m_new_Q, l_Q
+
+
+def _global_keep(gmask_ref, rows):
+  """bool [rows, G]: the real global slots (padding slots of the global block are 0)."""
+  keep_G = gmask_ref[...] != 0
+  return jnp.broadcast_to(keep_G[None, :], (rows, keep_G.shape[0]))
+
+
+def _triton_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, *refs, scale, window, causal, block_q,
+                       block_k, num_k_blocks, precision, has_global):
+  o_ref, lse_ref = refs[-2:]  # refs between are the global block and the aliased outputs
   q_block = pl.program_id(0)
   q_tile_QxD = q_ref[...]
   rows_Q = q_block * block_q + jnp.arange(block_q)
@@ -286,47 +319,42 @@ def _triton_fwd_kernel(q_ref, k_ref, v_ref, mask_ref, o_ref, lse_ref, *, scale, 
   scale2 = scale * _LOG2E
 
   def body(k_block, carry):
-    acc_QxD, m_Q, l_Q = carry
     start = k_block * block_k
-    k_tile_KxD = k_ref[pl.ds(start, block_k), :]
-    v_tile_KxD = v_ref[pl.ds(start, block_k), :]
     cols_K = start + jnp.arange(block_k)
     keep_QxK = (band_keep(rows_Q[:, None], cols_K[None, :], window, causal)
                 & (mask_ref[pl.ds(start, block_k)] != 0)[None, :])
-    s_QxK = _dot(q_tile_QxD, k_tile_KxD, precision, trans_b=True) * scale2
-    s_QxK = jnp.where(keep_QxK, s_QxK, -jnp.inf)
-    m_new_Q = jnp.maximum(m_Q, jnp.max(s_QxK, axis=1))
-    # A row with no key so far keeps max -inf; exponentiate against 0 instead so that
-    # exp2(-inf - (-inf)) = NaN never happens (every term is then exp2(-inf) = 0).
-    m_safe_Q = jnp.where(m_new_Q == -jnp.inf, 0.0, m_new_Q)
-    p_QxK = jnp.exp2(s_QxK - m_safe_Q[:, None])
-    alpha_Q = jnp.exp2(m_Q - m_safe_Q)
-    l_Q = alpha_Q * l_Q + jnp.sum(p_QxK, axis=1)
-    acc_QxD = alpha_Q[:, None] * acc_QxD + _dot(p_QxK.astype(v_tile_KxD.dtype), v_tile_KxD,
-                                                precision)
-    return acc_QxD, m_new_Q, l_Q
+    return _online_softmax_step(carry, q_tile_QxD, k_ref[pl.ds(start, block_k), :],
+                                v_ref[pl.ds(start, block_k), :], keep_QxK, scale2, precision)
 
   head_dim = q_tile_QxD.shape[-1]
-  init = (jnp.zeros((block_q, head_dim), jnp.float32),
-          jnp.full((block_q,), -jnp.inf, jnp.float32),
-          jnp.zeros((block_q,), jnp.float32))
-  acc_QxD, m_Q, l_Q = lax.fori_loop(lo, hi, body, init)
+  carry = (jnp.zeros((block_q, head_dim), jnp.float32),
+           jnp.full((block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+  carry = lax.fori_loop(lo, hi, body, carry)
+  if has_global:  # the global keys: one more tile of the same online softmax
+    kg_ref, vg_ref, gmask_ref = refs[:3]
+    carry = _online_softmax_step(carry, q_tile_QxD, kg_ref[...], vg_ref[...],
+                                 _global_keep(gmask_ref, block_q), scale2, precision)
+  acc_QxD, m_Q, l_Q = carry
   has_key_Q = l_Q > 0.0
   l_safe_Q = jnp.where(has_key_Q, l_Q, 1.0)
   o_ref[...] = (acc_QxD / l_safe_Q[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(has_key_Q, (m_Q + jnp.log2(l_safe_Q)) * _LN2, EMPTY_LSE)
 
 
-def _triton_probs(q_tile_QxD, k_tile_KxD, lse_Q, rows_Q, cols_K, mask_K, scale, window, causal,
-                  precision):
-  """Recomputed probabilities P [Q, K] of one tile (0 outside the band or on masked keys)."""
-  keep_QxK = band_keep(rows_Q[:, None], cols_K[None, :], window, causal) & (mask_K != 0)[None, :]
+def _triton_probs(q_tile_QxD, k_tile_KxD, lse_Q, keep_QxK, scale, precision):
+  """Recomputed probabilities P [Q, K] of one tile (0 where keep is False)."""
   s_QxK = _dot(q_tile_QxD, k_tile_KxD, precision, trans_b=True) * (scale * _LOG2E)
   return jnp.where(keep_QxK, jnp.exp2(s_QxK - (lse_Q * _LOG2E)[:, None]), 0.0)
 
 
-def _triton_dkv_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                       *, scale, window, causal, block_q, block_k, num_q_blocks, precision):
+def _band_tile_keep(rows_Q, cols_K, mask_K, window, causal):
+  return band_keep(rows_Q[:, None], cols_K[None, :], window, causal) & (mask_K != 0)[None, :]
+
+
+def _triton_dkv_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, *refs, scale,
+                       window, causal, block_q, block_k, num_q_blocks, precision):
+  dk_ref, dv_ref = refs[-2:]  # refs before them are the aliased outputs
   k_block = pl.program_id(0)
   k_tile_KxD = k_ref[...]
   v_tile_KxD = v_ref[...]
@@ -341,9 +369,8 @@ def _triton_dkv_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref
     do_tile_QxD = do_ref[pl.ds(start, block_q), :]
     lse_Q = lse_ref[pl.ds(start, block_q)]
     delta_Q = delta_ref[pl.ds(start, block_q)]
-    rows_Q = start + jnp.arange(block_q)
-    p_QxK = _triton_probs(q_tile_QxD, k_tile_KxD, lse_Q, rows_Q, cols_K, mask_K, scale, window,
-                          causal, precision)
+    keep_QxK = _band_tile_keep(start + jnp.arange(block_q), cols_K, mask_K, window, causal)
+    p_QxK = _triton_probs(q_tile_QxD, k_tile_KxD, lse_Q, keep_QxK, scale, precision)
     dv_KxD += _dot(p_QxK.astype(do_tile_QxD.dtype), do_tile_QxD, precision, trans_a=True)
     dp_QxK = _dot(do_tile_QxD, v_tile_KxD, precision, trans_b=True)
     ds_QxK = p_QxK * (dp_QxK - delta_Q[:, None])
@@ -357,8 +384,9 @@ def _triton_dkv_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref
   dv_ref[...] = dv_KxD.astype(dv_ref.dtype)
 
 
-def _triton_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-                      scale, window, causal, block_q, block_k, num_k_blocks, precision):
+def _triton_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref, *refs, scale,
+                      window, causal, block_q, block_k, num_k_blocks, precision, has_global):
+  dq_ref = refs[-1]  # refs before it: the global block, the aliased output
   q_block = pl.program_id(0)
   q_tile_QxD = q_ref[...]
   do_tile_QxD = do_ref[...]
@@ -367,19 +395,23 @@ def _triton_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref,
   rows_Q = q_block * block_q + jnp.arange(block_q)
   lo, hi = k_block_range(q_block, block_q, block_k, window, causal, num_k_blocks)
 
-  def body(k_block, dq_QxD):
-    start = k_block * block_k
-    k_tile_KxD = k_ref[pl.ds(start, block_k), :]
-    v_tile_KxD = v_ref[pl.ds(start, block_k), :]
-    cols_K = start + jnp.arange(block_k)
-    mask_K = mask_ref[pl.ds(start, block_k)]
-    p_QxK = _triton_probs(q_tile_QxD, k_tile_KxD, lse_Q, rows_Q, cols_K, mask_K, scale, window,
-                          causal, precision)
+  def tile_grad(keep_QxK, k_tile_KxD, v_tile_KxD):
+    p_QxK = _triton_probs(q_tile_QxD, k_tile_KxD, lse_Q, keep_QxK, scale, precision)
     dp_QxK = _dot(do_tile_QxD, v_tile_KxD, precision, trans_b=True)
     ds_QxK = p_QxK * (dp_QxK - delta_Q[:, None])
-    return dq_QxD + _dot(ds_QxK.astype(k_tile_KxD.dtype), k_tile_KxD, precision)
+    return _dot(ds_QxK.astype(k_tile_KxD.dtype), k_tile_KxD, precision)
+
+  def body(k_block, dq_QxD):
+    start = k_block * block_k
+    keep_QxK = _band_tile_keep(rows_Q, start + jnp.arange(block_k),
+                               mask_ref[pl.ds(start, block_k)], window, causal)
+    return dq_QxD + tile_grad(keep_QxK, k_ref[pl.ds(start, block_k), :],
+                              v_ref[pl.ds(start, block_k), :])
 
   dq_QxD = lax.fori_loop(lo, hi, body, jnp.zeros(q_tile_QxD.shape, jnp.float32))
+  if has_global:
+    kg_ref, vg_ref, gmask_ref = refs[:3]
+    dq_QxD += tile_grad(_global_keep(gmask_ref, block_q), kg_ref[...], vg_ref[...])
   dq_ref[...] = (dq_QxD * scale).astype(dq_ref.dtype)
 
 
@@ -393,66 +425,201 @@ def _precision(dtype):
   return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
-def _triton_forward(q, k, v, mask_BxN, cfg: "_Config"):
+def head_runs(dilations: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
+  """(dilation, first head, number of heads) of each run of consecutive heads with one dilation.
+
+  Each run is one launch of each kernel; the launches write disjoint heads of one output buffer
+  (aliased), so grouping heads needs no gather or concatenation.
+  """
+  runs = []
+  for h, d in enumerate(dilations):
+    if runs and runs[-1][0] == d:
+      runs[-1][2] += 1
+    else:
+      runs.append([d, h, 1])
+  return tuple(tuple(r) for r in runs)
+
+
+class _RunSpecs:
+  """BlockSpecs of one run of heads (dilation d, heads h0..h0+nh) on the [B, N/d, d, ...] views.
+
+  Grid (row block, batch, residue, head): programs of one residue r see the subsequence of
+  positions r, r + d, r + 2d, ... as contiguous rows 0, 1, 2, ...
+  """
+
+  def __init__(self, dilation, first_head, seq, head_dim, num_global):
+    self.d, self.h0, self.sub = dilation, first_head, seq // dilation
+    self.head_dim, self.num_global = head_dim, num_global
+
+  def tile(self, rows):  # rows [i*rows, (i+1)*rows) of one subsequence, one head
+    return pl.BlockSpec((None, rows, None, None, self.head_dim),
+                        lambda i, b, r, h: (b, i, r, h + self.h0, 0))
+
+  def whole(self):  # the whole subsequence of one head
+    return pl.BlockSpec((None, self.sub, None, None, self.head_dim),
+                        lambda i, b, r, h: (b, 0, r, h + self.h0, 0))
+
+  def key_mask(self):
+    return pl.BlockSpec((None, self.sub, None), lambda i, b, r, h: (b, 0, r))
+
+  def row_tile(self, rows):  # [B, H, N/d, d] per-row statistics (lse, delta)
+    return pl.BlockSpec((None, None, rows, None), lambda i, b, r, h: (b, h + self.h0, i, r))
+
+  def whole_row(self):
+    return pl.BlockSpec((None, None, self.sub, None), lambda i, b, r, h: (b, h + self.h0, 0, r))
+
+  def global_block(self):  # kg, vg [B, G, H, D] and their keep vector [B, G]
+    kv = pl.BlockSpec((None, self.num_global, None, self.head_dim),
+                      lambda i, b, r, h: (b, 0, h + self.h0, 0))
+    return [kv, kv, pl.BlockSpec((None, self.num_global), lambda i, b, r, h: (b, 0))]
+
+  def view(self, x):  # [B, N, ...] -> [B, N/d, d, ...]
+    return x.reshape(x.shape[0], self.sub, self.d, *x.shape[2:])
+
+  def view_rows(self, x):  # [B, H, N] -> [B, H, N/d, d]
+    return x.reshape(*x.shape[:2], self.sub, self.d)
+
+  def grid(self, rows, batch, heads):
+    return (self.sub // rows, batch, self.d, heads)
+
+
+def _launch_runs(cfg: "_Config", shape, launch):
+  """Calls `launch(specs, num_heads, previous_outputs)` for each run of heads, threading the
+  outputs through so that every launch writes its heads into the same (aliased) buffers."""
+  _, seq, _, head_dim = shape
+  outputs = None
+  for dilation, h0, num_heads in head_runs(cfg.dilations):
+    specs = _RunSpecs(dilation, h0, seq, head_dim, cfg.num_global)
+    outputs = launch(specs, num_heads, outputs)
+  return outputs
+
+
+def _aliased(specs_out, views, n_inputs, previous):
+  """In-specs, arguments and input_output_aliases that pass the `previous` launch's outputs
+  (seen through `views`, one per output) back in as the buffers this launch writes into."""
+  if previous is None:
+    return [], [], {}
+  return (list(specs_out), [view(x) for view, x in zip(views, previous)],
+          {n_inputs + i: i for i in range(len(specs_out))})
+
+
+def _triton_forward(q, k, v, mask_BxN, glob, cfg: "_Config"):
   batch, seq, heads, head_dim = q.shape
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  kernel = functools.partial(
-      _triton_fwd_kernel, scale=cfg.scale, window=cfg.window, causal=cfg.causal, block_q=bq,
-      block_k=bk, num_k_blocks=seq // bk, precision=_precision(q.dtype))
-  tile = lambda rows: pl.BlockSpec((None, rows, None, head_dim), lambda i, b, h: (b, i, h, 0))
-  whole = pl.BlockSpec((None, seq, None, head_dim), lambda i, b, h: (b, 0, h, 0))
-  return pl.pallas_call(
-      kernel,
-      grid=(seq // bq, batch, heads),
-      in_specs=[tile(bq), whole, whole, pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))],
-      out_specs=[tile(bq), pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, seq), jnp.float32)],
-      compiler_params=None if cfg.interpret else _triton_params(cfg.blocks),
-      interpret=cfg.interpret,
-      name="band_attention_fwd",
-  )(q, k, v, mask_BxN)
+  has_global = glob is not None
+
+  def launch(s, num_heads, previous):
+    kernel = functools.partial(
+        _triton_fwd_kernel, scale=cfg.scale, window=cfg.window, causal=cfg.causal, block_q=bq,
+        block_k=bk, num_k_blocks=s.sub // bk, precision=_precision(q.dtype),
+        has_global=has_global)
+    in_specs = [s.tile(bq), s.whole(), s.whole(), s.key_mask()]
+    args = [s.view(q), s.view(k), s.view(v), s.view(mask_BxN)]
+    if has_global:
+      in_specs += s.global_block()
+      args += list(glob)
+    out_specs = [s.tile(bq), s.row_tile(bq)]
+    prev_specs, prev_args, aliases = _aliased(out_specs, (s.view, s.view_rows), len(args),
+                                              previous)
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=s.grid(bq, batch, num_heads),
+        in_specs=in_specs + prev_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(s.view(q).shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, s.sub, s.d), jnp.float32)],
+        input_output_aliases=aliases,
+        compiler_params=None if cfg.interpret else _triton_params(cfg.blocks),
+        interpret=cfg.interpret,
+        name="band_attention_fwd",
+    )(*args, *prev_args)
+    return out.reshape(q.shape), lse.reshape(batch, heads, seq)
+
+  return _launch_runs(cfg, q.shape, launch)
 
 
-def _triton_backward(q, k, v, mask_BxN, do, lse_BxHxN, delta_BxHxN, cfg: "_Config"):
+def _triton_backward(q, k, v, mask_BxN, glob, do, lse_BxHxN, delta_BxHxN, cfg: "_Config"):
   batch, seq, heads, head_dim = q.shape
   blocks = cfg.blocks
   precision = _precision(q.dtype)
   params = None if cfg.interpret else _triton_params(blocks)
-  whole = pl.BlockSpec((None, seq, None, head_dim), lambda i, b, h: (b, 0, h, 0))
-  whole_row = pl.BlockSpec((None, None, seq), lambda i, b, h: (b, h, 0))
-  mask_spec = pl.BlockSpec((None, seq), lambda i, b, h: (b, 0))
-  tile = lambda rows: pl.BlockSpec((None, rows, None, head_dim), lambda i, b, h: (b, i, h, 0))
+  has_global = glob is not None
 
-  bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
-  dk, dv = pl.pallas_call(
-      functools.partial(_triton_dkv_kernel, scale=cfg.scale, window=cfg.window,
-                        causal=cfg.causal, block_q=bq, block_k=bk, num_q_blocks=seq // bq,
-                        precision=precision),
-      grid=(seq // bk, batch, heads),
-      in_specs=[whole, tile(bk), tile(bk), mask_spec, whole, whole_row, whole_row],
-      out_specs=[tile(bk), tile(bk)],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-      compiler_params=params, interpret=cfg.interpret, name="band_attention_bwd_dkv",
-  )(q, k, v, mask_BxN, do, lse_BxHxN, delta_BxHxN)
+  def launch_dkv(s, num_heads, previous):
+    bq, bk = blocks.block_q_dkv, blocks.block_k_dkv
+    args = [s.view(q), s.view(k), s.view(v), s.view(mask_BxN), s.view(do),
+            s.view_rows(lse_BxHxN), s.view_rows(delta_BxHxN)]
+    out_specs = [s.tile(bk), s.tile(bk)]
+    prev_specs, prev_args, aliases = _aliased(out_specs, (s.view, s.view), len(args), previous)
+    dk, dv = pl.pallas_call(
+        functools.partial(_triton_dkv_kernel, scale=cfg.scale, window=cfg.window,
+                          causal=cfg.causal, block_q=bq, block_k=bk, num_q_blocks=s.sub // bq,
+                          precision=precision),
+        grid=s.grid(bk, batch, num_heads),
+        in_specs=[s.whole(), s.tile(bk), s.tile(bk), s.key_mask(), s.whole(), s.whole_row(),
+                  s.whole_row()] + prev_specs,
+        out_specs=out_specs,
+        out_shape=[jax.ShapeDtypeStruct(s.view(k).shape, k.dtype),
+                   jax.ShapeDtypeStruct(s.view(v).shape, v.dtype)],
+        input_output_aliases=aliases,
+        compiler_params=params, interpret=cfg.interpret, name="band_attention_bwd_dkv",
+    )(*args, *prev_args)
+    return dk.reshape(k.shape), dv.reshape(v.shape)
 
-  bq, bk = blocks.block_q_dq, blocks.block_k_dq
-  row_tile = pl.BlockSpec((None, None, bq), lambda i, b, h: (b, h, i))
-  dq = pl.pallas_call(
-      functools.partial(_triton_dq_kernel, scale=cfg.scale, window=cfg.window, causal=cfg.causal,
-                        block_q=bq, block_k=bk, num_k_blocks=seq // bk, precision=precision),
-      grid=(seq // bq, batch, heads),
-      in_specs=[tile(bq), whole, whole, mask_spec, tile(bq), row_tile, row_tile],
-      out_specs=tile(bq),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      compiler_params=params, interpret=cfg.interpret, name="band_attention_bwd_dq",
-  )(q, k, v, mask_BxN, do, lse_BxHxN, delta_BxHxN)
-  return dq, dk, dv
+  def launch_dq(s, num_heads, previous):
+    bq, bk = blocks.block_q_dq, blocks.block_k_dq
+    in_specs = [s.tile(bq), s.whole(), s.whole(), s.key_mask(), s.tile(bq), s.row_tile(bq),
+                s.row_tile(bq)]
+    args = [s.view(q), s.view(k), s.view(v), s.view(mask_BxN), s.view(do),
+            s.view_rows(lse_BxHxN), s.view_rows(delta_BxHxN)]
+    if has_global:
+      in_specs += s.global_block()
+      args += list(glob)
+    prev_specs, prev_args, aliases = _aliased([s.tile(bq)], (s.view,), len(args), previous)
+    dq = pl.pallas_call(
+        functools.partial(_triton_dq_kernel, scale=cfg.scale, window=cfg.window,
+                          causal=cfg.causal, block_q=bq, block_k=bk, num_k_blocks=s.sub // bk,
+                          precision=precision, has_global=has_global),
+        grid=s.grid(bq, batch, num_heads),
+        in_specs=in_specs + prev_specs,
+        out_specs=s.tile(bq),
+        out_shape=jax.ShapeDtypeStruct(s.view(q).shape, q.dtype),
+        input_output_aliases=aliases,
+        compiler_params=params, interpret=cfg.interpret, name="band_attention_bwd_dq",
+    )(*args, *prev_args)
+    return (dq.reshape(q.shape),)
+
+  dk, dv = _launch_runs(cfg, q.shape, launch_dkv)
+  dq, = _launch_runs(cfg, q.shape, launch_dq)
+  dglob = None
+  if has_global:
+    dglob = _global_key_grads(q, glob, do, lse_BxHxN, delta_BxHxN, cfg.scale, cfg.global_keys)
+  return dq, dk, dv, dglob
+
+
+def _global_key_grads(q, glob, do, lse_BxHxN, delta_BxHxN, scale, num_keys):
+  """dK, dV of the global key block: a [N x G] pass in XLA over the `num_keys` real slots (the
+  kernels' block is padded to 16 rows; the padding's gradient is zero).
+
+  P_ig = exp(s_ig - lse_i) with the lse of the whole row (band + globals), as in the kernels.
+  """
+  pad = glob[0].shape[1] - num_keys
+  kg, vg, gmask_BxG = (x[:, :num_keys] for x in glob)
+  f32 = jnp.float32
+  s_BxHxNxG = jnp.einsum("bnhd,bghd->bhng", q.astype(f32) * scale, kg.astype(f32))
+  p_BxHxNxG = jnp.where(gmask_BxG[:, None, None, :] != 0,
+                        jnp.exp(s_BxHxNxG - lse_BxHxN[..., None]), 0.0)
+  dv_g = jnp.einsum("bhng,bnhd->bghd", p_BxHxNxG, do.astype(f32))
+  dp_BxHxNxG = jnp.einsum("bnhd,bghd->bhng", do.astype(f32), vg.astype(f32))
+  ds_BxHxNxG = p_BxHxNxG * (dp_BxHxNxG - delta_BxHxN[..., None])
+  dk_g = jnp.einsum("bhng,bnhd->bghd", ds_BxHxNxG, q.astype(f32)) * scale
+  pad_rows = lambda x: jnp.pad(x.astype(kg.dtype), ((0, 0), (0, pad), (0, 0), (0, 0)))
+  return pad_rows(dk_g), pad_rows(dv_g), None
 
 
 # ---------------------------------------------------------------------------------------------
-# custom_vjp shared by both backends. Inputs are already padded (seq a multiple of every block;
-# for tpu, heads a multiple of the head group), [B, N, H, D] for both.
+# custom_vjp shared by both backends. Inputs are already padded (seq a multiple of every block
+# times every dilation; for tpu, heads a multiple of the head group), [B, N, H, D] for both.
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
@@ -462,55 +629,93 @@ class _Config:
   blocks: BlockSizes
   backend: str
   interpret: Any  # bool, or pltpu.InterpretParams for the TPU kernel
+  dilations: tuple[int, ...] = ()  # one per head (Triton); () = all 1
+  num_global: int = 0  # rows of the global key block (Triton), 0 = none
+  global_keys: int = 0  # how many of them are slots the caller passed (the rest is padding)
 
 
 # Jitted (cfg static) so that eager calls, e.g. interpret mode in tests, compile each kernel
 # once per shape instead of re-interpreting it on every call; inlined under an outer jit.
-@functools.partial(jax.jit, static_argnums=(4,))
-def _forward_impl(q, k, v, mask_BxN, cfg):
+@functools.partial(jax.jit, static_argnums=(5,))
+def _forward_impl(q, k, v, mask_BxN, glob, cfg):
   if cfg.backend == "tpu":
     from longformer_jax.ops import band_pallas_tpu  # pylint: disable=g-import-not-at-top
     return band_pallas_tpu.forward(q, k, v, mask_BxN, cfg)
-  return _triton_forward(q, k, v, mask_BxN, cfg)
+  return _triton_forward(q, k, v, mask_BxN, glob, cfg)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _band_padded(q, k, v, mask_BxN, cfg):
-  return _forward_impl(q, k, v, mask_BxN, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _band_padded(q, k, v, mask_BxN, glob, cfg):
+  return _forward_impl(q, k, v, mask_BxN, glob, cfg)
 
 
-def _band_padded_fwd(q, k, v, mask_BxN, cfg):
-  out, lse = _forward_impl(q, k, v, mask_BxN, cfg)
-  return (out, lse), (q, k, v, mask_BxN, out, lse)
+def _band_padded_fwd(q, k, v, mask_BxN, glob, cfg):
+  out, lse = _forward_impl(q, k, v, mask_BxN, glob, cfg)
+  return (out, lse), (q, k, v, mask_BxN, glob, out, lse)
 
 
 def _band_padded_bwd(cfg, residuals, cotangents):
-  return (*_backward_impl(*residuals, *cotangents, cfg), None)
+  dq, dk, dv, dglob = _backward_impl(*residuals, *cotangents, cfg)
+  return dq, dk, dv, None, dglob
 
 
-@functools.partial(jax.jit, static_argnums=(8,))
-def _backward_impl(q, k, v, mask_BxN, out, lse_BxHxN, dout, dlse_BxHxN, cfg):
+@functools.partial(jax.jit, static_argnums=(9,))
+def _backward_impl(q, k, v, mask_BxN, glob, out, lse_BxHxN, dout, dlse_BxHxN, cfg):
   # delta_i = sum_d out_id * dout_id - dlse_i: with it ds = P * (dP - delta) carries both the
   # out and the lse cotangent (d lse_i / d s_ij = P_ij).
   if cfg.backend == "tpu":  # The TPU dQ kernel computes delta itself (see band_pallas_tpu).
     from longformer_jax.ops import band_pallas_tpu  # pylint: disable=g-import-not-at-top
-    return band_pallas_tpu.backward(q, k, v, mask_BxN, out, dout, lse_BxHxN, dlse_BxHxN, cfg)
+    return (*band_pallas_tpu.backward(q, k, v, mask_BxN, out, dout, lse_BxHxN, dlse_BxHxN, cfg),
+            None)
   rowdot = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
   rowdot = jnp.swapaxes(rowdot, 1, 2)  # [B, N, H] -> [B, H, N]
   delta_BxHxN = rowdot - dlse_BxHxN.astype(jnp.float32)
-  return _triton_backward(q, k, v, mask_BxN, dout.astype(q.dtype), lse_BxHxN, delta_BxHxN, cfg)
+  return _triton_backward(q, k, v, mask_BxN, glob, dout.astype(q.dtype), lse_BxHxN, delta_BxHxN,
+                          cfg)
 
 
 _band_padded.defvjp(_band_padded_fwd, _band_padded_bwd)
 
 
-def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool,
-                          block_sizes: BlockSizes | None = None, interpret=None,
+def _check_dilation(dilation, heads: int) -> tuple[int, ...]:
+  dilations = (dilation,) * heads if isinstance(dilation, numbers.Integral) else tuple(dilation)
+  if len(dilations) != heads or any(
+      not isinstance(d, numbers.Integral) or isinstance(d, bool) or d < 1 for d in dilations):
+    raise ValueError(f"dilation={dilation!r}: expected a positive int or one positive int per "
+                     f"head ({heads} heads)")
+  return tuple(int(d) for d in dilations)
+
+
+def _check_global_kv(global_kv, q):
+  if not (isinstance(global_kv, tuple) and len(global_kv) == 3):
+    raise TypeError(f"global_kv must be a tuple (k_glob, v_glob, keep), got {type(global_kv)}")
+  kg, vg, keep = global_kv
+  batch, _, heads, head_dim = q.shape
+  if kg.shape != vg.shape or kg.ndim != 4 or (kg.shape[0], *kg.shape[2:]) != (
+      batch, heads, head_dim):
+    raise ValueError(f"global keys/values must be [batch, globals, heads, head_dim] = "
+                     f"[{batch}, G, {heads}, {head_dim}], got {kg.shape} and {vg.shape}")
+  if keep.shape != kg.shape[:2]:
+    raise ValueError(f"global keep vector shape {keep.shape} != (batch, globals) = "
+                     f"{kg.shape[:2]}")
+  if kg.dtype != q.dtype or vg.dtype != q.dtype:
+    raise ValueError(f"global keys/values must have q's dtype {q.dtype}, got {kg.dtype}, "
+                     f"{vg.dtype}")
+
+
+def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilation=1,
+                          global_kv=None, block_sizes: BlockSizes | None = None, interpret=None,
                           backend: str | None = None):
   """Band attention (contract in `band_reference.py`) with Pallas kernels.
 
   q, k, v: [batch, seq, heads, head_dim], same dtype (float32, bfloat16, float16).
   key_mask: [batch, seq] bool (or 0/1). window: one-sided, >= 0 (may exceed seq).
+  dilation (Triton backend): an int or one int per head; a head with dilation d attends keys
+    i + d*t, |t| <= window (causal: -window <= t <= 0), addressed in place by the kernels.
+  global_kv (Triton backend): (k_glob [batch, G, heads, head_dim], v_glob, keep [batch, G]):
+    extra keys every query attends besides its band (the global tokens' keys, docs/design.md
+    §2.1 step 3), merged in the kernel's online softmax; out and lse then cover both key sets.
+    Their positions must be masked out of `key_mask` so that no key counts twice.
   block_sizes: defaults to `BlockSizes.for_device` of the first device (the TPU backend caps
     them to the padded length; see band_pallas_tpu). interpret: None = True on a CPU-only
     process; for backend='tpu' it may also be a `pltpu.InterpretParams`.
@@ -526,6 +731,12 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool,
   batch, seq, heads, head_dim = q.shape
   if key_mask.shape != (batch, seq):
     raise ValueError(f"key_mask shape {key_mask.shape} != (batch, seq) = {(batch, seq)}")
+  dilations = _check_dilation(dilation, heads)
+  if global_kv is not None:
+    _check_global_kv(global_kv, q)
+  if backend == "tpu" and (set(dilations) != {1} or global_kv is not None):
+    raise ValueError("backend='tpu': the TPU band kernel takes dilation=1 and no global_kv "
+                     "(longformer_attention composes them around it)")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   if block_sizes is None:
@@ -548,16 +759,27 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool,
     block_sizes = band_pallas_tpu.fit_blocks(block_sizes, seq)
     # Zero heads, like zero features, attend and output nothing that is kept (sliced off).
     pad_heads = -heads % band_pallas_tpu.head_group(kernel_head_dim(head_dim, backend))
-  multiple = max(block_sizes.all_sizes())  # powers of two: the max is a common multiple
+  # Every subsequence (length padded / d) must be a whole number of blocks (powers of two: the
+  # max is a common multiple of the block sizes).
+  multiple = max(block_sizes.all_sizes()) * math.lcm(*dilations)
   padded = -(-seq // multiple) * multiple
   # The band never reaches further than the padded length, and a clamp keeps int32 bounds safe.
   window_eff = min(int(window), padded)
+  pad_dim = kernel_head_dim(head_dim, backend) - head_dim  # zero features: exact (see above)
+  glob, num_global = None, 0
+  if global_kv is not None:
+    kg, vg, keep = global_kv
+    num_global = max(16, -(-kg.shape[1] // 16) * 16)  # tl.dot needs >= 16 rows
+    pad_g = num_global - kg.shape[1]
+    kg, vg = (jnp.pad(x, ((0, 0), (0, pad_g), (0, 0), (0, pad_dim))) for x in (kg, vg))
+    glob = (kg, vg, jnp.pad(keep.astype(jnp.int32), ((0, 0), (0, pad_g))))
   cfg = _Config(window=window_eff, causal=bool(causal), scale=1.0 / math.sqrt(head_dim),
-                blocks=block_sizes, backend=backend, interpret=interpret)
+                blocks=block_sizes, backend=backend, interpret=interpret,
+                dilations=dilations + (1,) * pad_heads, num_global=num_global,
+                global_keys=0 if global_kv is None else global_kv[0].shape[1])
 
   pad = padded - seq
-  pad_dim = kernel_head_dim(head_dim, backend) - head_dim  # zero features: exact (see above)
   mask_BxN = jnp.pad(key_mask.astype(jnp.int32), ((0, 0), (0, pad)))  # padded keys masked out
   q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, pad_heads), (0, pad_dim))) for x in (q, k, v))
-  out, lse_BxHxN = _band_padded(q, k, v, mask_BxN, cfg)
+  out, lse_BxHxN = _band_padded(q, k, v, mask_BxN, glob, cfg)
   return out[:, :seq, :heads, :head_dim], lse_BxHxN[:, :heads, :seq]
