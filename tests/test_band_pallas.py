@@ -390,10 +390,13 @@ def test_block_sizes_for_device():
 # Beyond lowering: compile the Triton kernels to an sm_90 cubin with the `triton` package (its
 # bundled ptxas), which needs no GPU. This uses a private jax hook to capture the Triton module.
 
-@pytest.mark.parametrize("dtype, causal, head_dim", [(jnp.bfloat16, False, 64),
-                                                     (jnp.float32, True, 64),
-                                                     (jnp.bfloat16, True, 256)])
-def test_triton_kernels_compile_for_sm90(dtype, causal, head_dim, monkeypatch, tmp_path):
+@pytest.mark.parametrize("dtype, causal, head_dim, fused", [(jnp.bfloat16, False, 64, False),
+                                                            (jnp.float32, True, 64, False),
+                                                            (jnp.bfloat16, True, 256, False),
+                                                            (jnp.bfloat16, False, 64, True),
+                                                            (jnp.float32, False, 256, True)])
+def test_triton_kernels_compile_for_sm90(dtype, causal, head_dim, fused, monkeypatch, tmp_path):
+  """fused: dilation (1, 2) (two runs of heads: six kernels) and a global key tile."""
   triton = pytest.importorskip("triton")
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
   from jax._src.pallas.triton import pallas_call_registration  # pylint: disable=g-import-not-at-top
@@ -408,18 +411,21 @@ def test_triton_kernels_compile_for_sm90(dtype, causal, head_dim, monkeypatch, t
 
   monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", capture)
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-  blocks = BlockSizes.for_device("NVIDIA H200").fit_gpu_shared_memory(head_dim, dtype)
+  blocks = BlockSizes.for_device("NVIDIA H200").fit_gpu_shared_memory(
+      head_dim, dtype, global_rows=16 if fused else 0)
   qkv = jax.ShapeDtypeStruct((1, 3000, 2, head_dim), dtype)
 
   def gradients(q, k, v, key_mask):
     def loss(q, k, v):
+      fused_args = dict(dilation=(1, 2), global_kv=(k[:, :1], v[:, :1], key_mask[:, :1]))
       out, lse = band_attention_pallas(q, k, v, key_mask, window=256, causal=causal,
-                                       block_sizes=blocks, interpret=False, backend="triton")
+                                       block_sizes=blocks, interpret=False, backend="triton",
+                                       **(fused_args if fused else {}))
       return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   _lower("cuda", gradients, qkv, qkv, qkv, jax.ShapeDtypeStruct((1, 3000), jnp.bool_))
-  assert len(modules) == 3
+  assert len(modules) == (6 if fused else 3)
   for text in modules:
     name = re.search(r"tt.func public @(\w+)", text).group(1)
     path = tmp_path / f"{name}.ttir"

@@ -113,23 +113,26 @@ class BlockSizes:
     return cls()
 
   def fit_gpu_shared_memory(self, head_dim: int, dtype,
-                            limit_bytes: int = GPU_SHARED_MEMORY_BYTES) -> "BlockSizes":
+                            limit_bytes: int = GPU_SHARED_MEMORY_BYTES,
+                            global_rows: int = 0) -> "BlockSizes":
     """Shrinks stages, then blocks, until every Triton kernel's shared memory fits `limit_bytes`.
 
     Triton keeps `num_stages` copies of the streamed tiles (two per step: k and v, or q and
     dout) plus the resident tiles in shared memory; the estimate below matches what Triton 3.8
     allocates for these kernels on sm_90 to within ~9 KB (checked by compiling the lowered
     kernels), hence the margin. Without this, head_dim 256 in bf16 needs ~260 KB and fails to
-    launch on an H100/H200 (227 KB per block).
+    launch on an H100/H200 (227 KB per block). `global_rows`: the global key tile (keys and
+    values) that the forward and dQ kernels load once after their band loop.
     """
     item = jnp.dtype(dtype).itemsize
     blocks = self
 
     def estimate(b):
       tile = lambda rows: rows * head_dim * item
-      return max(b.num_stages * 2 * tile(b.block_k) + tile(b.block_q),           # forward
-                 b.num_stages * 2 * tile(b.block_q_dkv) + 2 * tile(b.block_k_dkv),  # dK/dV
-                 b.num_stages * 2 * tile(b.block_k_dq) + 2 * tile(b.block_q_dq))    # dQ
+      glob = 2 * tile(global_rows)
+      return max(b.num_stages * 2 * tile(b.block_k) + tile(b.block_q) + glob,          # forward
+                 b.num_stages * 2 * tile(b.block_q_dkv) + 2 * tile(b.block_k_dkv),   # dK/dV
+                 b.num_stages * 2 * tile(b.block_k_dq) + 2 * tile(b.block_q_dq) + glob)  # dQ
 
     while estimate(blocks) + _SHARED_MEMORY_MARGIN > limit_bytes:
       if blocks.num_stages > 2:
@@ -737,6 +740,8 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
   if backend == "tpu" and (set(dilations) != {1} or global_kv is not None):
     raise ValueError("backend='tpu': the TPU band kernel takes dilation=1 and no global_kv "
                      "(longformer_attention composes them around it)")
+  # The global key tile's rows: tl.dot needs >= 16.
+  num_global = 0 if global_kv is None else max(16, -(-global_kv[0].shape[1] // 16) * 16)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   if block_sizes is None:
@@ -750,7 +755,7 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
     if backend == "triton" and not interpret:
       limit = (163 if "a100" in kind.lower() else 227) * 1024
       block_sizes = block_sizes.fit_gpu_shared_memory(kernel_head_dim(head_dim, backend), q.dtype,
-                                                      limit)
+                                                      limit, global_rows=num_global)
   check_supported(q.shape, q.dtype, window, backend, block_sizes)
 
   pad_heads = 0
@@ -766,10 +771,9 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
   # The band never reaches further than the padded length, and a clamp keeps int32 bounds safe.
   window_eff = min(int(window), padded)
   pad_dim = kernel_head_dim(head_dim, backend) - head_dim  # zero features: exact (see above)
-  glob, num_global = None, 0
+  glob = None
   if global_kv is not None:
     kg, vg, keep = global_kv
-    num_global = max(16, -(-kg.shape[1] // 16) * 16)  # tl.dot needs >= 16 rows
     pad_g = num_global - kg.shape[1]
     kg, vg = (jnp.pad(x, ((0, 0), (0, pad_g), (0, 0), (0, pad_dim))) for x in (kg, vg))
     glob = (kg, vg, jnp.pad(keep.astype(jnp.int32), ((0, 0), (0, pad_g))))
