@@ -4,6 +4,7 @@
   LongformerConfig, CharLMConfig   frozen configs with presets, one shared vocabulary
   LongformerSelfAttention          the one attention module (encoder, char LM, LED's encoder)
   Longformer*   NNX models matching HF's classes (`convert` to/from HF)
+  LEDConfig, LED*   the Longformer-Encoder-Decoder (paper §6; `convert` to/from HF, bart_to_led)
   LongformerForCausalLM, evaluate_bpc   the paper's character-level LM
   checkpoint    Orbax save/load of models and train states
   data          enwik8 / text8 (and the bundled samples), wikifil, the batch sampler
@@ -16,10 +17,12 @@ from longformer_jax import checkpoint, convert
 from longformer_jax.checkpoint import load_model, save_model
 from longformer_jax.attention import LongformerSelfAttention
 from longformer_jax.causal_lm import LongformerForCausalLM
-from longformer_jax.config import CharLMConfig, LongformerConfig
-from longformer_jax.convert import from_hf, roberta_to_longformer, to_hf
+from longformer_jax.config import CharLMConfig, LEDConfig, LongformerConfig
+from longformer_jax.convert import bart_to_led, from_hf, roberta_to_longformer, to_hf
 from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
 from longformer_jax.evaluation import evaluate_bpc
+from longformer_jax.led import (
+    LEDForConditionalGeneration, LEDForQuestionAnswering, LEDModel)
 from longformer_jax.modeling import (
     LongformerForMaskedLM, LongformerForMultipleChoice, LongformerForQuestionAnswering,
     LongformerForSequenceClassification, LongformerForTokenClassification, LongformerLogitsOutput,

@@ -1,9 +1,10 @@
-"""Model configurations: `LongformerConfig` (the HF-compatible encoder) and `CharLMConfig` (the
-paper's character-level LM), with named presets.
+"""Model configurations: `LongformerConfig` (the HF-compatible encoder), `CharLMConfig` (the
+paper's character-level LM) and `LEDConfig` (the encoder-decoder of paper §6), with named presets.
 
-Both share one vocabulary (`TransformerConfig`): HF transformers' field names, so checkpoints map
-one to one, with one deliberate difference: `attention_window` is ONE-SIDED here (a query sees
-`window` keys on each side), while HF stores the total window. `longformer_jax.convert` halves and
+The first two share one vocabulary (`TransformerConfig`); `LEDConfig` has HF's LED names
+(`d_model`, `encoder_layers`, ...). All take HF transformers' field names, so checkpoints map one to
+one, with one deliberate difference: `attention_window` is ONE-SIDED here (a query sees `window`
+keys on each side), while HF stores the total window. `longformer_jax.convert` halves and
 doubles it at the boundary; nothing else in this package ever sees a total window
 (docs/design.md §3).
 """
@@ -22,8 +23,48 @@ from longformer_jax.layers import activation
 _IntOrTuple = int | tuple
 
 
+class _FrozenConfig:
+  """What every frozen dataclass config here shares: canonical field values, `replace`, and JSON
+  round trips (`to_dict` / `from_dict`, used by `longformer_jax.checkpoint`)."""
+
+  def _canonicalize(self, sequence_fields: tuple[str, ...]) -> None:
+    """Called by `__post_init__`: JSON and HF configs give lists, stored as tuples so the config
+    stays hashable and comparable; dtypes become `jnp.dtype`s, so that 'bfloat16' and
+    jnp.bfloat16 give equal configs."""
+    for name in sequence_fields:
+      value = getattr(self, name)
+      if isinstance(value, list):
+        value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
+        object.__setattr__(self, name, value)
+    for name in ("dtype", "param_dtype"):
+      try:
+        object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+      except TypeError as e:
+        raise TypeError(f"{name}={getattr(self, name)!r} is not a dtype") from e
+      if not jnp.issubdtype(getattr(self, name), jnp.floating):
+        raise ValueError(f"{name}={getattr(self, name).name} must be a floating dtype "
+                         "(float32, bfloat16, float16)")
+
+  def replace(self, **changes):
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    """JSON-ready fields (dtypes as names); `from_dict` inverts it."""
+    d = dataclasses.asdict(self)
+    d["dtype"] = self.dtype.name
+    d["param_dtype"] = self.param_dtype.name
+    return d
+
+  @classmethod
+  def from_dict(cls, d: dict[str, Any]):
+    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+    if unknown:
+      raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
+    return cls(**d)
+
+
 @dataclasses.dataclass(frozen=True)
-class TransformerConfig:
+class TransformerConfig(_FrozenConfig):
   """The fields every model here has. Subclasses add their own and choose other defaults.
 
   attention_window: one-sided; an int for every layer or one int per layer.
@@ -63,21 +104,7 @@ class TransformerConfig:
     if self.attention_impl not in ("auto",) + ops.IMPLS:
       raise ValueError(f"attention_impl={self.attention_impl!r} is not one of "
                        f"{('auto',) + ops.IMPLS}")
-    # JSON and HF configs give lists; store tuples so the config stays hashable and comparable.
-    for name in ("attention_window", "attention_dilation"):
-      value = getattr(self, name)
-      if isinstance(value, list):
-        value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
-        object.__setattr__(self, name, value)
-    # Canonical dtypes, so that 'bfloat16' and jnp.bfloat16 give equal configs.
-    for name in ("dtype", "param_dtype"):
-      try:
-        object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
-      except TypeError as e:
-        raise TypeError(f"{name}={getattr(self, name)!r} is not a dtype") from e
-      if not jnp.issubdtype(getattr(self, name), jnp.floating):
-        raise ValueError(f"{name}={getattr(self, name).name} must be a floating dtype "
-                         "(float32, bfloat16, float16)")
+    self._canonicalize(("attention_window", "attention_dilation"))
     # Evaluate the per-layer views once: they raise on bad windows/dilations.
     self.layer_windows  # pylint: disable=pointless-statement
     self.layer_dilations  # pylint: disable=pointless-statement
@@ -104,23 +131,6 @@ class TransformerConfig:
           raise ValueError(f"attention_dilation of layer {layer} must hold ints >= 1, got {d!r}")
       dilations.append(heads)
     return tuple(dilations)
-
-  def replace(self, **changes):
-    return dataclasses.replace(self, **changes)
-
-  def to_dict(self) -> dict[str, Any]:
-    """JSON-ready fields (dtypes as names); `from_dict` inverts it."""
-    d = dataclasses.asdict(self)
-    d["dtype"] = self.dtype.name
-    d["param_dtype"] = self.param_dtype.name
-    return d
-
-  @classmethod
-  def from_dict(cls, d: dict[str, Any]):
-    unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
-    if unknown:
-      raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
-    return cls(**d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +247,112 @@ class CharLMConfig(TransformerConfig):
                          attention_dilation=grouped_dilations(8, _PAPER_DILATIONS_LARGE),
                          hidden_dropout_prob=0.4, dtype=jnp.bfloat16, remat=True),
                   **changes})
+
+
+@dataclasses.dataclass(frozen=True)
+class LEDConfig(_FrozenConfig):
+  """Hyperparameters of the Longformer-Encoder-Decoder (paper §6; HF's `LEDConfig` field names).
+
+  Defaults are allenai/led-base-16384 (`base()`); `large()` is allenai/led-large-16384 and
+  `tiny()` a test size. LED is BART with Longformer self-attention in the encoder: the encoder
+  layers are `LongformerLayer`s (post-LN, global tokens with their own projections), the decoder
+  is BART's (causal self-attention, cross-attention). Positions are learned, with no offset rows
+  (BART keeps 2), and token embeddings are not scaled.
+
+  attention_window: ONE-SIDED window of every ENCODER layer (an int, or one per encoder layer);
+    HF's is the total (led-base: 1024 there, 512 here). The decoder attends densely.
+  max_encoder_position_embeddings / max_decoder_position_embeddings: the longest encoder input
+    and decoder input (position i uses row i).
+  attention_dropout and activation_dropout (0.0 in the allenai checkpoints) are carried for
+    checkpoint round trips but not applied; `dropout` is (on every residual branch and the
+    embeddings, as in HF).
+  attention_impl, dtype, param_dtype, remat: ours, as in `TransformerConfig`.
+  """
+
+  vocab_size: int = 50265
+  d_model: int = 768
+  encoder_layers: int = 6
+  decoder_layers: int = 6
+  encoder_attention_heads: int = 12
+  decoder_attention_heads: int = 12
+  encoder_ffn_dim: int = 3072
+  decoder_ffn_dim: int = 3072
+  max_encoder_position_embeddings: int = 16384
+  max_decoder_position_embeddings: int = 1024
+  activation_function: str = "gelu"
+  dropout: float = 0.1
+  attention_dropout: float = 0.0
+  activation_dropout: float = 0.0
+  init_std: float = 0.02
+  pad_token_id: int = 1
+  bos_token_id: int = 0
+  eos_token_id: int = 2
+  decoder_start_token_id: int = 2
+  attention_window: _IntOrTuple = 512
+  attention_impl: str = "auto"
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  remat: bool = False
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers",
+                 "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim",
+                 "decoder_ffn_dim", "max_encoder_position_embeddings",
+                 "max_decoder_position_embeddings"):
+      _check_positive_int(name, getattr(self, name))
+    for name in ("encoder_attention_heads", "decoder_attention_heads"):
+      if self.d_model % getattr(self, name):
+        raise ValueError(f"d_model={self.d_model} is not a multiple of "
+                         f"{name}={getattr(self, name)}")
+    activation(self.activation_function)  # raises on a name it does not know
+    for name in ("dropout", "attention_dropout", "activation_dropout"):
+      if not 0.0 <= getattr(self, name) < 1.0:
+        raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < self.vocab_size:
+        raise ValueError(f"{name}={value!r} is not a token id of the vocabulary "
+                         f"(vocab_size={self.vocab_size})")
+    if self.attention_impl not in ("auto",) + ops.IMPLS:
+      raise ValueError(f"attention_impl={self.attention_impl!r} is not one of "
+                       f"{('auto',) + ops.IMPLS}")
+    self._canonicalize(("attention_window",))
+    self.layer_windows  # pylint: disable=pointless-statement
+
+  @property
+  def layer_windows(self) -> tuple[int, ...]:
+    """One-sided window of every encoder layer."""
+    return check_windows(_per_layer(self.attention_window, self.encoder_layers,
+                                    "attention_window"), self.encoder_layers)
+
+  @property
+  def decoder_head_dim(self) -> int:
+    return self.d_model // self.decoder_attention_heads
+
+  @classmethod
+  def base(cls, **changes) -> LEDConfig:
+    """allenai/led-base-16384: BART-base (6 + 6 layers, d_model 768, 12 heads, ffn 3072) with
+    16,384 encoder positions (BART's 1,024 copied 16 times, paper §6) and a window of 512 per
+    side (HF: attention_window 1024); 1,024 decoder positions."""
+    return cls(**changes)
+
+  @classmethod
+  def large(cls, **changes) -> LEDConfig:
+    """allenai/led-large-16384: BART-large (12 + 12 layers, d_model 1024, 16 heads, ffn 4096),
+    positions and windows as `base`."""
+    shape = dict(d_model=1024, encoder_layers=12, decoder_layers=12, encoder_attention_heads=16,
+                 decoder_attention_heads=16, encoder_ffn_dim=4096, decoder_ffn_dim=4096)
+    return cls(**{**shape, **changes})
+
+  @classmethod
+  def tiny(cls, **changes) -> LEDConfig:
+    """A test model: 2 + 2 layers, d_model 64, 4 heads (head_dim 16, the smallest the Pallas
+    kernels take), encoder windows 2 and 4, 64 encoder and 32 decoder positions."""
+    shape = dict(vocab_size=64, d_model=64, encoder_layers=2, decoder_layers=2,
+                 encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=96,
+                 decoder_ffn_dim=80, max_encoder_position_embeddings=64,
+                 max_decoder_position_embeddings=32, attention_window=(2, 4))
+    return cls(**{**shape, **changes})
 
 
 def growing_windows(first: int, last: int, num_layers: int) -> tuple[int, ...]:
