@@ -16,6 +16,10 @@ on this).
 
 Windows are a property of the *call*, not of the parameters: the staged schedule grows them
 stage by stage, so `__call__` takes an optional `windows` tuple that overrides the config's.
+
+Sampling: `generate` (prefill the prompt with the ordinary forward, then one `decode_step` per
+token over per-layer ring-buffer key/value caches of the band's reach, O(window x dilation) per
+layer whatever the length; `longformer_jax.generation`).
 Shape letters: docs/design.md §4.
 """
 
@@ -28,8 +32,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from longformer_jax import generation
 from longformer_jax.attention import LongformerSelfAttention
 from longformer_jax.config import CharLMConfig, check_windows
+from longformer_jax.generation import Band, KVCache
 from longformer_jax.layers import activation, dense, embed, layer_norm, maybe_remat
 
 
@@ -67,13 +73,31 @@ class CausalLMLayer(nnx.Module):
     self.dropout = nnx.Dropout(cfg.hidden_dropout_prob)
 
   def __call__(self, x_BxNxE, window: int, dropout_key: jax.Array | None):
+    return self._block(x_BxNxE, lambda a_BxNxE: self.attention(a_BxNxE, window=window),
+                       dropout_key)[0]
+
+  def prefill(self, x_BxPxE: jax.Array, band: Band) -> tuple[jax.Array, KVCache]:
+    """`__call__` over a prompt (no dropout), also returning the layer's cache after it."""
+    attend = lambda a_BxPxE: (self.attention(a_BxPxE, window=band.window)[0],
+                              generation.prompt_cache(self.attention, a_BxPxE, band))
+    return self._block(x_BxPxE, attend)
+
+  def decode(self, x_BxE: jax.Array, cache: KVCache, position: jax.Array,
+             band: Band) -> tuple[jax.Array, KVCache]:
+    """The layer for the one token at `position` (input [B, E]), attending over `cache`."""
+    attend = lambda a_BxE: generation.attend_step(self.attention, a_BxE, cache, position, band)
+    return self._block(x_BxE, attend)
+
+  def _block(self, x, attend, dropout_key: jax.Array | None = None):
+    """(x + attn(LN(x)), then x + mlp(LN(x)); aux) for `attend(LN(x)) -> (attn, aux)`: the one
+    residual structure that training, prefill and decoding share (x: [..., E])."""
     deterministic = dropout_key is None
     keys = jax.random.split(dropout_key, 2) if dropout_key is not None else (None, None)
-    h_BxNxE, _ = self.attention(self.ln_attn(x_BxNxE), window=window)
+    h, aux = attend(self.ln_attn(x))
     # The residual stream stays float32: bf16 branch outputs are added to a float32 sum.
-    x_BxNxE = x_BxNxE + self.dropout(h_BxNxE, deterministic=deterministic, rngs=keys[0])
-    h_BxNxE = self.output(self.act(self.intermediate(self.ln_mlp(x_BxNxE))))
-    return x_BxNxE + self.dropout(h_BxNxE, deterministic=deterministic, rngs=keys[1])
+    x = x + self.dropout(h, deterministic=deterministic, rngs=keys[0])
+    h = self.output(self.act(self.intermediate(self.ln_mlp(x))))
+    return x + self.dropout(h, deterministic=deterministic, rngs=keys[1]), aux
 
 
 class LongformerForCausalLM(nnx.Module):
@@ -104,8 +128,8 @@ class LongformerForCausalLM(nnx.Module):
                dropout_key: jax.Array | None = None) -> jax.Array:
     """windows: per-layer one-sided windows for this call (default: the config's).
     dropout_key: a PRNG key turns dropout on; None (the default) is deterministic."""
-    x_BxNxE = self.embed(tokens_BxN.astype(jnp.int32)).astype(jnp.float32)
-    return self.from_embeddings(x_BxNxE, windows=windows, dropout_key=dropout_key)
+    return self.from_embeddings(self._embed(tokens_BxN), windows=windows,
+                                dropout_key=dropout_key)
 
   def from_embeddings(self, x_BxNxE: jax.Array, *, windows: Sequence[int] | None = None,
                       dropout_key: jax.Array | None = None) -> jax.Array:
@@ -122,12 +146,63 @@ class LongformerForCausalLM(nnx.Module):
     x_BxNxE = self.dropout(x_BxNxE, deterministic=keys[-1] is None, rngs=keys[-1])
     for layer, window, key in zip(self.layers, windows, keys):
       x_BxNxE = maybe_remat(_with_window(window), cfg.remat)(layer, x_BxNxE, key)
-    x_BxNxE = self.ln_final(x_BxNxE)
-    if self.head is None:
-      logits_BxNxV = self.embed.attend(x_BxNxE.astype(cfg.dtype))
-    else:
-      logits_BxNxV = self.head(x_BxNxE)
-    return logits_BxNxV.astype(jnp.float32)
+    return self._logits(x_BxNxE)
+
+  def generate(self, prompt, max_new_tokens: int, *, temperature: float = 1.0,
+               top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+               windows: Sequence[int] | None = None, return_logits: bool = False):
+    """`max_new_tokens` tokens sampled after `prompt` (ints [B, P] or [P], P >= 1, any length).
+
+    temperature 0 is greedy; top_k / top_p restrict sampling to the k most likely tokens / the
+    nucleus of probability top_p (`generation.SamplingConfig`); seed: the PRNG seed (the same
+    seed gives the same tokens). windows: per-layer windows (default: the config's; a trained
+    run samples with its last stage's). Memory: one ring buffer of K = w*max(d)+1 keys and
+    values per layer (`decode_bands`), independent of the prompt and of max_new_tokens. Returns
+    int32 [B, max_new_tokens] ([max_new_tokens] for a 1-D prompt); with return_logits also the
+    float32 logits [..., max_new_tokens, V] that each token was drawn from.
+    """
+    return generation.generate(
+        self, prompt, max_new_tokens, seed=seed, windows=windows, return_logits=return_logits,
+        sampling=generation.SamplingConfig(temperature, top_k, top_p))
+
+  def decode_bands(self, windows: Sequence[int] | None = None, *,
+                   max_len: int) -> tuple[Band, ...]:
+    """Each layer's causal band for decoding with `windows` (default: the config's), and so the
+    length of its cache (`Band.cache_len`); max_len (prompt + new tokens) matters only to
+    dense `attention="full"` layers, whose band is the whole sequence."""
+    windows = check_windows(self.config.layer_windows if windows is None else windows,
+                            self.config.num_hidden_layers)
+    return tuple(generation.layer_band(layer.attention, window, max_len)
+                 for layer, window in zip(self.layers, windows))
+
+  def prefill(self, tokens_BxP: jax.Array, bands: Sequence[Band]
+              ) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """The prompt through the ordinary (band) forward: (logits [B, V] of its last position,
+    each layer's cache holding its last K positions)."""
+    x_BxPxE, caches = self._embed(tokens_BxP), []
+    for layer, band in zip(self.layers, bands):
+      x_BxPxE, cache = layer.prefill(x_BxPxE, band)
+      caches.append(cache)
+    return self._logits(x_BxPxE[:, -1]), tuple(caches)
+
+  def decode_step(self, token_B: jax.Array, caches: Sequence[KVCache], position: jax.Array,
+                  bands: Sequence[Band]) -> tuple[jax.Array, tuple[KVCache, ...]]:
+    """The token at `position` ([B] ints), every earlier one being in `caches`: (its logits
+    [B, V], the caches with it added)."""
+    x_BxE, new_caches = self._embed(token_B), []
+    for layer, cache, band in zip(self.layers, caches, bands):
+      x_BxE, cache = layer.decode(x_BxE, cache, position, band)
+      new_caches.append(cache)
+    return self._logits(x_BxE), tuple(new_caches)
+
+  def _embed(self, tokens: jax.Array) -> jax.Array:
+    return self.embed(tokens.astype(jnp.int32)).astype(jnp.float32)
+
+  def _logits(self, x: jax.Array) -> jax.Array:
+    """Final LayerNorm and the (tied or untied) byte head: [..., E] -> float32 [..., V]."""
+    x = self.ln_final(x)
+    logits = self.embed.attend(x.astype(self.config.dtype)) if self.head is None else self.head(x)
+    return logits.astype(jnp.float32)
 
 
 def _with_window(window: int):

@@ -176,6 +176,36 @@ def evaluate_bpc(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   return total / count / math.log(2)
 
 
+def _default_mesh(mesh):
+  from longformer_jax.training import make_mesh  # pylint: disable=g-import-not-at-top
+  return make_mesh((-1, 1)) if mesh is None else mesh
+
+
+def restore_run(workdir, *, step: int | None = None, mesh: jax.sharding.Mesh | None = None):
+  """(model, step, windows) of a training run's checkpoint: the model of
+  <workdir>/run_config.json with the parameters of checkpoint `step` (default: the newest that
+  restores and verifies; damaged ones are skipped with a warning) and nothing else (no optimizer
+  state), built for and sharded over `mesh` (default: all devices on the data axis) by the run's
+  logical rules; windows: the final stage's, from the settings saved with that checkpoint."""
+  # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
+  from longformer_jax.training import (  # pylint: disable=g-import-not-at-top
+      param_shardings, read_run_config)
+  from longformer_jax.training.config import (  # pylint: disable=g-import-not-at-top
+      config_from_record)
+  from longformer_jax.training.sharding import seq_axis  # pylint: disable=g-import-not-at-top
+  cfg = read_run_config(workdir)
+  mesh = _default_mesh(mesh)
+  model, step, meta = checkpoint.restore_model_and_meta(
+      lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
+                                    seq_axis=seq_axis(mesh)),
+      workdir, step=step,
+      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
+  # The stages may have grown since the run started (an extended run): the checkpoint's own
+  # settings say which windows its last stage trains with.
+  windows = config_from_record(meta["run"], f"step {step} meta").stage_windows(-1)
+  return model, step, windows
+
+
 def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
                  mesh: jax.sharding.Mesh | None = None, context: int = 32256, stride: int = 512,
                  score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
@@ -191,23 +221,8 @@ def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
   and the parameters are sharded by the run's logical rules (default: all devices on the data
   axis). Returns {"bpc", "bytes", "step", "windows", and the protocol}.
   """
-  # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
-  from longformer_jax.training import (  # pylint: disable=g-import-not-at-top
-      make_mesh, param_shardings, read_run_config)
-  from longformer_jax.training.config import (  # pylint: disable=g-import-not-at-top
-      config_from_record)
-  from longformer_jax.training.sharding import seq_axis  # pylint: disable=g-import-not-at-top
-  cfg = read_run_config(workdir)
-  mesh = make_mesh((-1, 1)) if mesh is None else mesh
-  model, step, meta = checkpoint.restore_model_and_meta(
-      lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
-                                    seq_axis=seq_axis(mesh)),
-      workdir, step=step,
-      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
-  # The stages may have grown since the run started (an extended run): the checkpoint's own
-  # settings say which windows its last stage trains with.
-  cfg = config_from_record(meta["run"], f"step {step} meta")
-  windows = cfg.stage_windows(-1)
+  mesh = _default_mesh(mesh)
+  model, step, windows = restore_run(workdir, step=step, mesh=mesh)
   start = time.perf_counter()
   bpc = evaluate_bpc(model, data, context=context, stride=stride, score_last=score_last,
                      batch_size=batch_size, protocol=protocol, windows=windows, mesh=mesh,

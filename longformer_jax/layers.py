@@ -97,18 +97,21 @@ def embed(num: int, size: int, axes: tuple[str | None, str], *, stddev: float, d
                    dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
-def rotary(x_BxNxHxD: jax.Array, base: float) -> jax.Array:
+def rotary(x_BxNxHxD: jax.Array, base: float, positions_N: jax.Array | None = None) -> jax.Array:
   """Rotates pairs (x[:D/2], x[D/2:]) of every head by angle position * base^(-2k/D).
 
   The score q_i . k_j of rotated vectors depends on i - j only (relative positions). Computed in
   float32: in bf16 the angles of far positions lose the low bits that carry the fine offsets.
+  positions_N: the rows' positions (default 0..N-1; decoding rotates a new key at its own).
   """
   seq, head_dim = x_BxNxHxD.shape[1], x_BxNxHxD.shape[-1]
   if head_dim % 2:
     raise ValueError(f"rotary positions need an even head_dim, got {head_dim}")
+  if positions_N is None:
+    positions_N = jnp.arange(seq)
   # [D/2] frequencies; angles, cos and sin [N, 1, D/2] broadcast over batch and heads.
   inv_freq = base ** (-jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-  angle = jnp.arange(seq, dtype=jnp.float32)[:, None, None] * inv_freq[None, None, :]
+  angle = jnp.asarray(positions_N, jnp.float32)[:, None, None] * inv_freq[None, None, :]
   cos, sin = jnp.cos(angle), jnp.sin(angle)
   x = x_BxNxHxD.astype(jnp.float32)
   x1, x2 = jnp.split(x, 2, axis=-1)
