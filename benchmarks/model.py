@@ -1,30 +1,64 @@
-"""Whole-model training step: our LongformerForMaskedLM against HF transformers' PyTorch one.
+"""Whole-model training step: our LongformerForMaskedLM against HF transformers' PyTorch one and
+against the same model with full attention.
 
   python benchmarks/model.py                              # base, seq 4096, batch 8 (the GPU target)
-  python benchmarks/model.py --seq 16384 --batch 2        # the other docs/design.md §6 anchor
+  python benchmarks/model.py --shapes 4096x8 16384x2      # both docs/design.md §6 anchors
+  python benchmarks/model.py --rows longformer_jax_masked full_attention --trace /tmp/trace
   python benchmarks/model.py --impl pallas --reps 20 --out benchmarks/results
   PYTHONPATH=. python benchmarks/model.py --small --out /tmp/modelbench   # tiny, CPU, < 1 min
 
-One process, one device, side by side: (a) `longformer_jax.LongformerForMaskedLM`, float32
-parameters with bf16 compute (`dtype=jnp.bfloat16` in the config), optax AdamW, the step under
-`nnx.jit`; (b) `transformers.LongformerForMaskedLM` with the same config (HF's total window is
-twice our one-sided one; `convert.config_to_hf` / `convert.to_hf` do that), float32 parameters,
-`torch.autocast` bf16 on CUDA (plain float32 on CPU), `torch.optim.AdamW`. Both: random weights,
-dropout on (train mode), 1 global token (<s>) per row, MLM cross-entropy on 15% of positions.
-HF computes the full [batch, seq, vocab] logits; ours is timed both ways: the same (row
-`longformer_jax(...)`) and with the LM head at the masked positions only (row
-`longformer_jax(..., lm_head=masked)`, `prediction_positions` / `masked_positions`). Before timing, the two models are
-checked to agree: our float32 model's weights copied to HF with `convert.to_hf` give MLM logits
-within 1e-3 on a small input (eval mode); the max difference is printed.
+Rows (`--rows`, default all; the JSON's `row` key, and its `impl` string in parentheses):
+- `hf_transformers` (`hf_transformers_pytorch`): `transformers.LongformerForMaskedLM` with the same
+  config (HF's total window is twice our one-sided one; `convert.config_to_hf` / `convert.to_hf`
+  do that), float32 parameters, `torch.autocast` bf16 on CUDA (plain float32 on CPU),
+  `torch.optim.AdamW` (fused on CUDA). Logits at every position.
+- `longformer_jax` (`longformer_jax(attention_impl=auto)`): `longformer_jax.LongformerForMaskedLM`,
+  float32 parameters with bf16 compute (`dtype=jnp.bfloat16` in the config), optax AdamW, the step
+  under `nnx.jit`. Logits at every position, as HF's.
+- `longformer_jax_masked` (`longformer_jax(attention_impl=auto, lm_head=masked)`): the same with
+  the LM head at the masked positions only (`prediction_positions` / `masked_positions`, as many
+  per row as the batch's most-masked row has).
+- `full_attention` (`full_attention(jax.nn.dot_product_attention, implementation=cudnn)`): the
+  SAME model (embeddings, layers, LM head, parameter dtype, bf16 compute, dropout, AdamW, logits
+  at every position), each layer's band attention swapped for FULL attention through
+  `jax.nn.dot_product_attention`: `implementation="cudnn"` (flash attention) on GPU, "xla"
+  elsewhere, so that the path runs on CPU too. What a user would pick instead of Longformer at
+  4k. No global tokens (so no global projections: 3 x 768^2 fewer weights per layer) and no
+  padding (the batch has none; this attention ignores the attention mask).
+All rows: random weights, dropout on (train mode), MLM cross-entropy on 15% of positions; the
+band rows have 1 global token (<s>) per row. Before timing, HF is checked against ours (our
+float32 model's weights copied to HF with `convert.to_hf` give MLM logits within 1e-3, eval mode)
+and the full-attention swap is checked against the band model (window >= seq, no globals: the same
+function; float32, XLA; on a GPU also cuDNN against XLA at one bf16 attention call). Max
+differences are printed.
 
 Times are medians of `--reps` steps after warm-up (compile); only ratios between rows of the SAME
 run are meaningful. Peak memory: `device.memory_stats()["peak_bytes_in_use"]` for JAX (none on
-CPU), `torch.cuda.max_memory_allocated()` for torch on CUDA. HF is run before ours and its memory
-released, because each framework's allocator keeps what it has taken.
+CPU), which is the PROCESS's peak so far (jax cannot reset it: a later JAX row shows at least the
+peaks of the rows before it); `torch.cuda.max_memory_allocated()` for torch on CUDA. HF runs first
+(every shape) and its memory is released, because each framework's allocator keeps what it took.
 
-Writes `<out>/model_<device>_<date>.json` (a list of rows with keys device, date, impl, seq,
-batch, dtype, ms_step, tokens_per_s, peak_bytes) and the printed markdown table beside it.
-torch/transformers are optional: without them only our row is measured (a note says so).
+Model FLOPs and MFU (every row; `mfu` is null where no peak is known: CPU, float32, other GPUs):
+- dense part: 6 x (weights) x (positions they apply to): the encoder layers' parameters (global
+  projections included: the band rows compute k_g, v_g (and q_g) at every position) x B x N, the
+  LM head (dense, LayerNorm, bias and the tied E x V decoder) x B x (positions it runs at: N, or
+  the masked ones). Embedding lookups count nothing.
+- attention, per layer: 4 x B x H x D x pairs forward, x3 for forward+backward (no
+  recomputation counted), with pairs the attended (query, key) pairs per head and row: the band's
+  P of docs/design.md §2.5 (`N(2w+1)` less the edges) plus 2 N G for G global tokens; N^2 for
+  full attention.
+- MFU = model FLOPs / step time / peak; peak = `PEAK_BF16_FLOPS[device_kind]` (dense bf16).
+
+`--trace DIR` wraps `TRACE_STEPS` steps of the first of our rows measured (after its timing) in
+`jax.profiler.trace(DIR)` and prints the top ops by device time, read back from the written
+`.xplane.pb` with `jax.profiler.ProfileData` (no tensorboard needed); the JSON row gets them too.
+
+Writes `<out>/model_<device>_<date>.json`, a list of rows with the keys of earlier versions
+(device, date, impl, seq, batch, dtype, ms_step, tokens_per_s, peak_bytes; `impl` strings
+unchanged) and new ones (row, attention, attention_share, lm_head_positions, params,
+model_flops_per_step, model_tflops_per_s, mfu, peak_tflops; `trace` on the traced row), and the
+markdown table beside it, both rewritten after every row.
+torch/transformers are optional: without them the HF row is left out (a note says so).
 """
 
 from __future__ import annotations
@@ -51,24 +85,58 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from attention import Shape  # noqa: E402  (benchmarks/attention.py: attended pairs, §2.5)
 from longformer_jax import LongformerConfig, LongformerForMaskedLM, convert  # noqa: E402
+from longformer_jax.io import atomic_write  # noqa: E402
 from longformer_jax.modeling import masked_positions  # noqa: E402
 
 MASK_FRACTION = 0.15
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.01
 CHECK_TOLERANCE = 1e-3
+BF16_ATTENTION_TOLERANCE = 2e-2  # one bf16 attention call, cuDNN vs XLA (outputs are O(1))
+TRACE_STEPS = 3
+ROWS = ("hf_transformers", "longformer_jax", "longformer_jax_masked", "full_attention")
+JAX_ROWS = ROWS[1:]
+# Dense (no sparsity) bf16 tensor-core peak FLOP/s by `jax.Device.device_kind`, for MFU. Source:
+# NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): "BF16 Tensor Core 1,979 TFLOPS" is quoted with
+# sparsity; dense is half of it, 989 TFLOPS.
+PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12}
 
 
-def make_config(args) -> LongformerConfig:
+def peak_flops(device_kind: str, dtype_name: str) -> float | None:
+  """The dense peak for MFU, or None (CPU, float32 compute, a device kind not in the table)."""
+  return PEAK_BF16_FLOPS.get(device_kind) if dtype_name == "bfloat16" else None
+
+
+def full_attention_implementation() -> str:
+  """cuDNN flash attention on a GPU; XLA elsewhere (so that the row's code runs on CPU too)."""
+  return "cudnn" if jax.default_backend() == "gpu" else "xla"
+
+
+def impl_name(row: str, attention_impl: str) -> str:
+  """The `impl` string of a row (kept as before for the rows that existed)."""
+  if row not in ROWS:
+    raise ValueError(f"row={row!r} is not one of {ROWS}")
+  return {"hf_transformers": "hf_transformers_pytorch",
+          "longformer_jax": f"longformer_jax(attention_impl={attention_impl})",
+          "longformer_jax_masked": f"longformer_jax(attention_impl={attention_impl}, "
+                                   "lm_head=masked)",
+          "full_attention": "full_attention(jax.nn.dot_product_attention, "
+                            f"implementation={full_attention_implementation()})"}[row]
+
+
+def make_config(args, seq: int | None = None) -> LongformerConfig:
   """Our config (one-sided window); the position table is grown when seq needs it."""
+  seq = args.seq if seq is None else seq
   if args.small:
     config = LongformerConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
                               num_attention_heads=4, intermediate_size=256, attention_window=16)
   else:
     config = LongformerConfig.base()
   # RoBERTa positions start at pad_token_id + 1.
-  positions = max(config.max_position_embeddings, args.seq + config.pad_token_id + 1)
+  positions = max(config.max_position_embeddings, seq + config.pad_token_id + 1)
   return config.replace(max_position_embeddings=positions, attention_impl=args.impl)
 
 
@@ -97,6 +165,102 @@ def timed(step, sync, reps: int, warmup: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
+# The full-attention peer: our model with each layer's attention core swapped.
+
+
+class FullSelfAttention(nnx.Module):
+  """Drop-in for a layer's `LongformerSelfAttention`: the same query/key/value/output
+  projections (the modules themselves, not copies), full attention in between through
+  `jax.nn.dot_product_attention(implementation=...)`. No global tokens, no padding mask."""
+
+  def __init__(self, band_attention, implementation: str):
+    if implementation not in ("cudnn", "xla"):
+      raise ValueError(f"implementation={implementation!r}: expected 'cudnn' or 'xla'")
+    self.query, self.key = band_attention.query, band_attention.key
+    self.value = band_attention.value
+    self.output = band_attention.output
+    self.implementation = implementation
+
+  def __call__(self, hidden_BxNxE, attention_mask_BxN=None, global_mask_BxN=None, *,
+               window=None, max_global=None, output_attentions=False):
+    del attention_mask_BxN, window, max_global  # no padding in the benchmark's batches
+    if global_mask_BxN is not None or output_attentions:
+      raise ValueError("full attention takes no global_mask and no output_attentions")
+    out_BxNxHxD = jax.nn.dot_product_attention(
+        self.query(hidden_BxNxE), self.key(hidden_BxNxE), self.value(hidden_BxNxE),
+        implementation=self.implementation)
+    return self.output(out_BxNxHxD), None
+
+
+def with_full_attention(model: LongformerForMaskedLM, implementation: str):
+  """Swaps every layer's attention for `FullSelfAttention` in place; returns the model."""
+  for layer in model.longformer.layers:
+    layer.attention = FullSelfAttention(layer.attention, implementation)
+  return model
+
+
+def build_model(config: LongformerConfig, row: str, seed: int = 0) -> LongformerForMaskedLM:
+  model = LongformerForMaskedLM(config, rngs=nnx.Rngs(seed))
+  if row == "full_attention":
+    with_full_attention(model, full_attention_implementation())
+  return model
+
+
+def check_full_attention(config: LongformerConfig) -> dict:
+  """Max |band model - full-attention model| MLM logits with window >= seq and no globals (the
+  same function), float32, XLA; on a GPU also max |cuDNN - XLA| of one bf16 attention call."""
+  seq = 128
+  cfg = config.replace(attention_window=seq, dtype=jnp.float32)
+  model = LongformerForMaskedLM(cfg, rngs=nnx.Rngs(2))
+  model.eval()
+  ids = jnp.asarray(make_batch(cfg, seq, 2, seed=2)[0])
+  forward = lambda: nnx.jit(lambda model, ids: model(ids).logits)(model, ids)
+  with jax.default_matmul_precision("highest"):
+    band = forward()
+    with_full_attention(model, "xla")
+    full = forward()
+  result = dict(band_vs_full_xla=float(jnp.max(jnp.abs(band - full))))
+  if full_attention_implementation() == "cudnn":
+    heads = config.num_attention_heads
+    q, k, v = (jax.random.normal(jax.random.key(i), (2, 512, heads, config.hidden_size // heads),
+                                 jnp.bfloat16) for i in range(3))
+    outs = [jax.nn.dot_product_attention(q, k, v, implementation=i).astype(jnp.float32)
+            for i in ("cudnn", "xla")]
+    result["cudnn_vs_xla_bf16"] = float(jnp.max(jnp.abs(outs[0] - outs[1])))
+  return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Model FLOPs (see the module docstring).
+
+
+def count_params(module) -> int:
+  return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+
+def model_flops(config: LongformerConfig, row: str, seq: int, batch: int,
+                head_positions: int, num_global: int = 1) -> dict:
+  """Model FLOPs of one training step (forward + backward) of `row` at seq x batch."""
+  abstract = nnx.eval_shape(lambda: build_model(config, row))
+  layer_params = count_params(abstract.longformer.layers)
+  head_params = (count_params(abstract.lm_head)
+                 + count_params(abstract.longformer.embeddings.word_embeddings))  # tied decoder
+  dense = 6 * (batch * seq * layer_params + batch * head_positions * head_params)
+  heads = config.num_attention_heads
+  head_dim = config.hidden_size // heads
+  pairs = 0
+  for window in config.layer_windows:
+    if row == "full_attention":
+      pairs += seq * (seq + 1) // 2 if config.causal else seq * seq
+    else:
+      pairs += (Shape(seq=seq, window=window, causal=config.causal).attended_pairs()
+                + (0 if config.causal else 2 * seq * num_global))
+  attention = 12 * batch * heads * head_dim * pairs
+  return dict(params=count_params(abstract), dense_flops=dense, attention_flops=attention,
+              total_flops=dense + attention)
+
+
+# ------------------------------------------------------------------------------------------------
 # Ours.
 
 
@@ -109,11 +273,20 @@ def mlm_loss(logits_BxNxV, labels_BxN):
   return jnp.sum(per_token * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def bench_ours(config: LongformerConfig, args, masked_head: bool = False):
-  """masked_head: the LM head runs at the masked positions only (`prediction_positions`), as
-  many per row as the batch's most-masked row has; else at every position, as HF's does."""
-  model = LongformerForMaskedLM(config.replace(dtype=jnp.bfloat16) if args.bf16 else config,
-                                rngs=nnx.Rngs(0))
+def bench_ours(config: LongformerConfig, args, row: str = "longformer_jax",
+               trace_dir: str | None = None) -> dict:
+  """Times one of our rows (JAX_ROWS). Returns dict(ms, peak, head_positions, trace).
+
+  longformer_jax_masked: the LM head runs at the masked positions only (`prediction_positions`),
+  as many per row as the batch's most-masked row has; the other rows: at every position, as HF's.
+  trace_dir: also run TRACE_STEPS steps under `jax.profiler.trace(trace_dir)` after the timing
+  and read back their top ops (`top_ops`).
+  """
+  if row not in JAX_ROWS:
+    raise ValueError(f"row={row!r} is not one of our rows {JAX_ROWS}")
+  masked_head = row == "longformer_jax_masked"
+  full = row == "full_attention"
+  model = build_model(config.replace(dtype=jnp.bfloat16) if args.bf16 else config, row)
   optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
                             wrt=nnx.Param)
   model.train()  # dropout on, as in HF's train mode
@@ -122,12 +295,11 @@ def bench_ours(config: LongformerConfig, args, masked_head: bool = False):
   def train_step(model, optimizer, ids, global_mask, labels):
     def loss_fn(model):
       # max_global: the traced mask cannot be counted under jit; one <s> per row.
+      kwargs = {} if full else dict(global_attention_mask=global_mask, max_global=1)
       if not masked_head:
-        logits = model(ids, global_attention_mask=global_mask, max_global=1).logits
-        return mlm_loss(logits, labels)
+        return mlm_loss(model(ids, **kwargs).logits, labels)
       positions, targets, _ = masked_positions(labels, max_predictions)
-      logits = model(ids, global_attention_mask=global_mask, max_global=1,
-                     prediction_positions=positions).logits
+      logits = model(ids, prediction_positions=positions, **kwargs).logits
       return mlm_loss(logits, targets)
     loss, grads = nnx.value_and_grad(loss_fn)(model)
     optimizer.update(model, grads)
@@ -136,13 +308,101 @@ def bench_ours(config: LongformerConfig, args, masked_head: bool = False):
   batch = make_batch(config, args.seq, args.batch)
   max_predictions = int((batch[2] >= 0).sum(axis=1).max())  # no target is ever dropped
   ids, global_mask, labels = (jnp.asarray(x) for x in batch)
-  ms = timed(lambda: train_step(model, optimizer, ids, global_mask, labels),
-             jax.block_until_ready, args.reps, args.warmup)
-  loss = float(train_step(model, optimizer, ids, global_mask, labels))
+  step = lambda: train_step(model, optimizer, ids, global_mask, labels)
+  ms = timed(step, jax.block_until_ready, args.reps, args.warmup)
+  loss = float(step())
   if not np.isfinite(loss):
-    raise FloatingPointError(f"our training step gave loss {loss}")
+    raise FloatingPointError(f"our training step ({row}) gave loss {loss}")
   stats = jax.devices()[0].memory_stats() or {}
-  return ms, stats.get("peak_bytes_in_use")
+  trace = None
+  if trace_dir:
+    started = time.time()
+    with jax.profiler.trace(trace_dir):
+      for _ in range(TRACE_STEPS):
+        jax.block_until_ready(step())
+    trace = top_ops(trace_dir, since=started, steps=TRACE_STEPS)
+  return dict(ms=ms, peak=stats.get("peak_bytes_in_use"),
+              head_positions=max_predictions if masked_head else args.seq, trace=trace)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading a jax.profiler trace back.
+
+
+def _event_key(event) -> str:
+  try:
+    stats = dict(event.stats)
+  except Exception:  # pylint: disable=broad-except
+    stats = {}
+  return str(stats.get("hlo_op") or event.name)
+
+
+def top_ops(trace_dir: str, count: int = 15, since: float = 0.0, steps: int = 1) -> dict:
+  """Device time per op of the newest `.xplane.pb` under `trace_dir` (written after `since`).
+
+  Read with `jax.profiler.ProfileData` (jax 0.11 and 0.12; no tensorboard plugin). Device planes
+  ('/device:GPU:0', ...): their 'XLA Ops' line if present, else their 'Stream' lines (kernels,
+  keyed by the `hlo_op` stat where there is one), else all their lines but module/step ones. A
+  CPU-only trace has no device plane: then the XLA thunks on the host's 'tf_XLAExecute' threads
+  are summed instead (`source` says which). Returns dict(path, source, total_ms, ms_per_step,
+  ops=[dict(name, ms, count, share)], planes={plane: its first line names}) or dict(path,
+  error) when the trace cannot be read (it is still on disk for TensorBoard/Perfetto).
+  """
+  files = [p for p in pathlib.Path(trace_dir).rglob("*.xplane.pb")
+           if p.stat().st_mtime >= since - 1]
+  if not files:
+    return dict(path=str(trace_dir), error="no .xplane.pb written under it")
+  path = max(files, key=lambda p: p.stat().st_mtime)
+  try:
+    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+    data = ProfileData.from_file(str(path))
+    totals, source, layout = {}, None, {}
+    for plane in data.planes:
+      lines = list(plane.lines)
+      layout[plane.name] = [l.name for l in lines][:12]  # for reading a trace that surprises
+      if not plane.name.startswith("/device:") or "CUSTOM" in plane.name:
+        continue
+      chosen = ([l for l in lines if l.name == "XLA Ops"]
+                or [l for l in lines if l.name.startswith("Stream")]
+                or [l for l in lines if not any(w in l.name for w in ("Module", "Step"))])
+      for line in chosen:
+        source = source or f"{plane.name}: {line.name}"
+        for event in line.events:
+          entry = totals.setdefault(_event_key(event), [0, 0.0])
+          entry[0] += 1
+          entry[1] += event.duration_ns
+    if not totals:
+      for plane in data.planes:
+        for line in plane.lines if plane.name.startswith("/host:") else ():
+          if not line.name.startswith("tf_XLAExecute"):
+            continue
+          source = f"{plane.name}: tf_XLAExecute threads (CPU thunks)"
+          for event in line.events:
+            if "::" in event.name or event.name.startswith(("end:", "ThreadpoolListener")):
+              continue
+            entry = totals.setdefault(event.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.duration_ns
+  except Exception as e:  # pylint: disable=broad-except
+    return dict(path=str(path), error=f"{type(e).__name__}: {str(e)[:200]}")
+  if not totals:
+    return dict(path=str(path), error="no op events found", planes=layout)
+  total_ns = sum(ns for _, ns in totals.values())
+  ops = [dict(name=name[:120], ms=round(ns / 1e6, 3), count=n, share=round(ns / total_ns, 4))
+         for name, (n, ns) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:count]]
+  return dict(path=str(path), source=source, total_ms=round(total_ns / 1e6, 3),
+              ms_per_step=round(total_ns / 1e6 / steps, 3), ops=ops, planes=layout)
+
+
+def format_top_ops(trace: dict) -> str:
+  if trace.get("error"):
+    return f"trace written under {trace['path']}; not read back: {trace['error']}"
+  lines = [f"trace {trace['path']}", f"top ops by device time ({trace['source']}; "
+           f"{trace['ms_per_step']:.1f} ms of op time per step):"]
+  for op in trace["ops"]:
+    lines.append(f"  {op['ms']:10.2f} ms {100 * op['share']:5.1f}%  x{op['count']:<5d} "
+                 f"{op['name']}")
+  return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,9 +427,12 @@ def check_agreement(config: LongformerConfig, torch, device: str) -> float:
   hf = convert.to_hf(ours).to(device)  # eval mode, float32
   ids, global_mask, _ = make_batch(config, seq, 2, seed=1)
   # "highest": JAX would otherwise use TF32 matmuls on GPU; torch's default is full float32.
+  # Under jit (one compile, not one per op); one global token per row.
+  forward = nnx.jit(lambda model, ids, gm: model(ids, global_attention_mask=gm,
+                                                 max_global=1).logits)
   with jax.default_matmul_precision("highest"):
-    ours_logits = np.asarray(ours(jnp.asarray(ids), global_attention_mask=jnp.asarray(global_mask))
-                             .logits, np.float32)
+    ours_logits = np.asarray(forward(ours, jnp.asarray(ids), jnp.asarray(global_mask)),
+                             np.float32)
   with torch.no_grad():
     hf_logits = hf(input_ids=torch.from_numpy(ids).long().to(device),
                    global_attention_mask=torch.from_numpy(global_mask).long().to(device)
@@ -222,20 +485,70 @@ def bench_hf(config: LongformerConfig, args, torch, device: str):
 # ------------------------------------------------------------------------------------------------
 
 
+def make_record(row: str, args, seq: int, batch: int, ms: float, peak, dtype_name: str,
+                head_positions: int) -> dict:
+  """One JSON row, with model FLOPs and MFU (see the module docstring)."""
+  config = make_config(args, seq)
+  device = jax.devices()[0].device_kind
+  flops = model_flops(config, row, seq, batch, head_positions)
+  peak_flops_s = peak_flops(device, dtype_name)
+  flops_per_s = flops["total_flops"] / (ms * 1e-3)
+  full = row == "full_attention"
+  return dict(
+      device=device, date=datetime.date.today().isoformat(), impl=impl_name(row, args.impl),
+      row=row, seq=seq, batch=batch, dtype=dtype_name, ms_step=round(ms, 3),
+      tokens_per_s=round(seq * batch / (ms * 1e-3), 1),
+      peak_bytes=None if peak is None else int(peak),
+      attention=("full, no global tokens" if full else
+                 f"band {max(config.layer_windows)}/side, 1 global token per row"),
+      lm_head_positions=head_positions, params=flops["params"],
+      model_flops_per_step=int(flops["total_flops"]),
+      attention_share=round(flops["attention_flops"] / flops["total_flops"], 4),
+      model_tflops_per_s=round(flops_per_s / 1e12, 3),
+      mfu=None if peak_flops_s is None else round(flops_per_s / peak_flops_s, 4),
+      peak_tflops=None if peak_flops_s is None else peak_flops_s / 1e12)
+
+
+def measure_row(row: str, args, seq: int, batch: int, trace_dir: str | None = None) -> dict:
+  """Measures one of our rows at seq x batch and returns its record (+ `trace` when traced)."""
+  run_args = argparse.Namespace(**{**vars(args), "seq": seq, "batch": batch})
+  result = bench_ours(make_config(run_args), run_args, row, trace_dir)
+  record = make_record(row, run_args, seq, batch, result["ms"], result["peak"],
+                       "bfloat16" if args.bf16 else "float32", result["head_positions"])
+  if result["trace"] is not None:
+    record["trace"] = result["trace"]
+  return record
+
+
 def markdown_table(records) -> str:
-  lines = ["| impl | seq x batch | dtype | ms/step | tokens/s | peak GB | vs HF tokens/s |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+  lines = ["| impl | seq x batch | dtype | ms/step | tokens/s | peak GB | model TFLOP/s | MFU | "
+           "vs HF tokens/s |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   hf = {(r["seq"], r["batch"]): r["tokens_per_s"] for r in records if r["impl"].startswith("hf")}
   for r in records:
     base = hf.get((r["seq"], r["batch"]))
     ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else ""
     peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 1e9:.1f}"
+    mfu = "" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"
     lines.append(f"| {r['impl']} | {r['seq']} x {r['batch']} | {r['dtype']} | "
-                 f"{r['ms_step']:.1f} | {r['tokens_per_s']:,.0f} | {peak} | {ratio} |")
+                 f"{r['ms_step']:.1f} | {r['tokens_per_s']:,.0f} | {peak} | "
+                 f"{r.get('model_tflops_per_s', '')} | {mfu} | {ratio} |")
   return "\n".join(lines)
 
 
-def main(argv=None):
+def parse_shape(text: str) -> tuple[int, int]:
+  """'4096x8' -> (4096, 8)."""
+  try:
+    seq, batch = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise ValueError(f"shape {text!r}: expected SEQxBATCH, e.g. 4096x8") from None
+  if seq < 1 or batch < 1:
+    raise ValueError(f"shape {text!r}: seq and batch must be >= 1")
+  return seq, batch
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  """The command line, with the defaults that depend on --small filled in (and `shapes`)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--preset", default="base", choices=["base"],
                       help="model size (allenai/longformer-base-4096 shape)")
@@ -244,32 +557,68 @@ def main(argv=None):
                            "batch 2, 2 reps: a CPU smoke run")
   parser.add_argument("--seq", type=int, default=None, help="default 4096 (256 with --small)")
   parser.add_argument("--batch", type=int, default=None, help="default 8 (2 with --small)")
+  parser.add_argument("--shapes", nargs="+", default=None, metavar="SEQxBATCH",
+                      help="several shapes in one run, e.g. 4096x8 16384x2 (overrides "
+                           "--seq/--batch)")
+  parser.add_argument("--rows", nargs="+", default=list(ROWS), choices=ROWS,
+                      help="rows to measure (default: all)")
   parser.add_argument("--reps", type=int, default=None, help="default 10 (2 with --small)")
   parser.add_argument("--warmup", type=int, default=2, help="untimed steps (the first compiles)")
   parser.add_argument("--impl", default="auto", help="our attention_impl (auto, chunked, ...)")
   parser.add_argument("--float32", dest="bf16", action="store_false",
                       help="float32 compute for both (default: bf16 compute on accelerators)")
-  parser.add_argument("--no-hf", action="store_true", help="measure only ours")
+  parser.add_argument("--no-hf", action="store_true", help="leave out the HF row")
+  parser.add_argument("--trace", default=None, metavar="DIR",
+                      help="profile a few steps of the first of our rows into DIR and print "
+                           "its top ops")
   parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
   args = parser.parse_args(argv)
   args.seq = args.seq or (256 if args.small else 4096)
   args.batch = args.batch or (2 if args.small else 8)
   args.reps = args.reps or (2 if args.small else 10)
-  backend = jax.default_backend()
+  try:
+    args.shapes = ([parse_shape(s) for s in args.shapes] if args.shapes
+                   else [(args.seq, args.batch)])
+  except ValueError as e:
+    parser.error(str(e))
+  if args.no_hf and "hf_transformers" in args.rows:
+    args.rows = [r for r in args.rows if r != "hf_transformers"]
   # bf16 on CPU is emulated and slow in both frameworks: float32 there (docs/design.md §6).
-  args.bf16 = args.bf16 and backend != "cpu"
-  dtype_name = "bfloat16" if args.bf16 else "float32"
+  args.bf16 = args.bf16 and jax.default_backend() != "cpu"
+  return args
 
-  config = make_config(args)
+
+def main(argv=None):
+  args = parse_args(argv)
+  backend = jax.default_backend()
+  dtype_name = "bfloat16" if args.bf16 else "float32"
+  config = make_config(args, max(seq for seq, _ in args.shapes))
   device = jax.devices()[0].device_kind
   today = datetime.date.today().isoformat()
   print(f"device={device} backend={backend} jax={jax.__version__} dtype={dtype_name} "
-        f"seq={args.seq} batch={args.batch} layers={config.num_hidden_layers} "
-        f"hidden={config.hidden_size} window={config.attention_window}/side "
-        f"impl={args.impl} date={today}", flush=True)
+        f"shapes={' '.join(f'{s}x{b}' for s, b in args.shapes)} "
+        f"layers={config.num_hidden_layers} hidden={config.hidden_size} "
+        f"window={config.attention_window}/side impl={args.impl} rows={' '.join(args.rows)} "
+        f"date={today}", flush=True)
 
-  torch = None if args.no_hf else import_torch()[0]
-  torch_device = None
+  out_dir = pathlib.Path(args.out)
+  out_dir.mkdir(parents=True, exist_ok=True)
+  slug = device.replace(" ", "_").replace("/", "_")
+  path = out_dir / f"model_{slug}_{today}.json"
+  records = []
+
+  def record(rec):
+    records.append(rec)
+    mfu = "" if rec["mfu"] is None else f"  MFU {100 * rec['mfu']:5.1f}%"
+    print(f"  {rec['impl']:40s} {rec['seq']:6d} x {rec['batch']:<3d} {rec['ms_step']:10.1f} "
+          f"ms/step  {rec['tokens_per_s']:12,.0f} tokens/s  {rec['model_tflops_per_s']:8.2f} "
+          f"model TFLOP/s{mfu}", flush=True)
+    # Rewritten after every row: a crash later leaves what was measured.
+    atomic_write(path, json.dumps(records, indent=1) + "\n")
+    atomic_write(path.with_suffix(".md"), markdown_table(records) + "\n")
+
+  failed = False
+  torch = import_torch()[0] if "hf_transformers" in args.rows else None
   if torch is not None:
     torch_device = "cuda" if torch.cuda.is_available() else "cpu"
     if (backend == "gpu") != (torch_device == "cuda"):
@@ -279,54 +628,48 @@ def main(argv=None):
     print(f"agreement (float32, same weights): max |ours - HF| MLM logit = {diff:.2e}", flush=True)
     if not diff <= CHECK_TOLERANCE:
       raise AssertionError(f"our MLM logits differ from HF's by {diff} > {CHECK_TOLERANCE}")
+    for seq, batch in args.shapes:  # HF first, every shape (see the module docstring)
+      try:
+        run_args = argparse.Namespace(**{**vars(args), "seq": seq, "batch": batch})
+        ms, peak, hf_dtype = bench_hf(make_config(run_args), run_args, torch, torch_device)
+        record(make_record("hf_transformers", run_args, seq, batch, ms, peak, hf_dtype, seq))
+      except Exception as e:  # An HF failure (e.g. out of memory) must not lose our rows.
+        print(f"  HF training step failed at {seq} x {batch}: {type(e).__name__}: "
+              f"{str(e)[:300]}")
+  if "full_attention" in args.rows:
+    check = check_full_attention(config)
+    print(f"full-attention swap check: {json.dumps(check)}", flush=True)
+    if not (check["band_vs_full_xla"] <= CHECK_TOLERANCE
+            and check.get("cudnn_vs_xla_bf16", 0.0) <= BF16_ATTENTION_TOLERANCE):
+      raise AssertionError(f"the full-attention row is not the model it claims: {check}")
 
-  records = []
+  trace_dir = args.trace
+  for seq, batch in args.shapes:
+    for row in (r for r in args.rows if r in JAX_ROWS):
+      try:
+        rec = measure_row(row, args, seq, batch, trace_dir)
+      except Exception:  # Keep the other rows: write what was measured, report the failure.
+        traceback.print_exc()
+        print(f"  our training step failed ({row} at {seq} x {batch}; traceback above)")
+        failed = True
+        continue
+      finally:
+        gc.collect()
+      if trace_dir:
+        print(format_top_ops(rec["trace"]), flush=True)
+        trace_dir = None  # one trace: the first of our rows measured
+      record(rec)
 
-  def record(impl, ms, peak, dtype):
-    records.append(dict(device=device, date=today, impl=impl, seq=args.seq, batch=args.batch,
-                        dtype=dtype, ms_step=round(ms, 3),
-                        tokens_per_s=round(args.seq * args.batch / (ms * 1e-3), 1),
-                        peak_bytes=None if peak is None else int(peak)))
-    print(f"  {impl:40s} {ms:10.1f} ms/step  {records[-1]['tokens_per_s']:12,.0f} tokens/s",
-          flush=True)
-
-  if torch is not None:
-    try:
-      ms, peak, hf_dtype = bench_hf(config, args, torch, torch_device)
-      record("hf_transformers_pytorch", ms, peak, hf_dtype)
-    except Exception as e:  # An HF failure (e.g. out of memory) must not lose our row.
-      print(f"  HF training step failed: {type(e).__name__}: {str(e)[:300]}")
-  ours_failed = False
-  for masked_head in (False, True):
-    impl = f"longformer_jax(attention_impl={args.impl}" + (
-        ", lm_head=masked)" if masked_head else ")")
-    try:
-      ms, peak = bench_ours(config, args, masked_head)
-      record(impl, ms, peak, dtype_name)
-    except Exception:  # Keep the other rows: write what was measured, then report the failure.
-      traceback.print_exc()
-      print(f"  our training step failed ({impl}; traceback above)")
-      ours_failed = True
-    gc.collect()
-
-  hf_rows = [r for r in records if r["impl"].startswith("hf")]
+  hf_rows = {(r["seq"], r["batch"]): r for r in records if r["row"] == "hf_transformers"}
   for r in records:
-    if hf_rows and not r["impl"].startswith("hf"):
-      ratio = r["tokens_per_s"] / hf_rows[0]["tokens_per_s"]
-      print(f"{r['impl']}/HF tokens/s: {ratio:.2f}x (target on GPU, base 4096 x 8 bf16: >= 5x)")
-
-  table = markdown_table(records)
-  out_dir = pathlib.Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  slug = device.replace(" ", "_").replace("/", "_")
-  path = out_dir / f"model_{slug}_{today}.json"
-  for target, text in ((path, json.dumps(records, indent=1)), (path.with_suffix(".md"), table)):
-    tmp = target.with_suffix(target.suffix + ".tmp")
-    tmp.write_text(text + "\n")
-    os.replace(tmp, target)  # atomic: never a half-written result file
+    base = hf_rows.get((r["seq"], r["batch"]))
+    if base and r is not base:
+      print(f"{r['impl']} at {r['seq']} x {r['batch']} / HF tokens/s: "
+            f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x "
+            f"(target on GPU, base 4096 x 8 bf16: >= 5x)")
   print(f"\nwrote {path} and {path.with_suffix('.md')}\n")
-  print(table)
-  if ours_failed:
+  print(markdown_table(records))
+  if failed:
     sys.exit(1)
 
 
