@@ -26,6 +26,13 @@ cache.index + T - 1`, writes their keys and values into the slots, attends over 
 so far, and returns the logits and the cache with `index` advanced by T. Every shape is fixed by
 (batch, M, encoder length), so one compiled step serves a whole `lax.while_loop` generation.
 
+Generation. `LEDForConditionalGeneration.generate` is HF's `generate` (greedy, sampling, beam
+search; HF's outputs token for token, tests/test_led_generate.py): the encoder once, then the
+search of `longformer_jax.search` over `decode_step` in one jitted `lax.while_loop`. Beam search
+decodes B * K rows whose self-attention caches are reordered every step
+(`LEDDecoderCache.reorder_rows`) while the K beams of an item share its cross-attention keys and
+values (stored at B rows).
+
 Shapes (docs/design.md §4): B batch, N encoder tokens, T decoder tokens of this call, S keys
 (encoder tokens in cross-attention; decoder tokens or cache slots in self-attention), E d_model,
 H heads, D head_dim, V vocabulary.
@@ -33,14 +40,19 @@ H heads, D head_dim, V vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from longformer_jax import search
 from longformer_jax.config import LEDConfig
 from longformer_jax.encoder import LongformerLayer
+from longformer_jax.generation import SamplingConfig
 from longformer_jax.layers import activation, dense, embed, layer_norm, logical_axes, maybe_remat
 from longformer_jax.modeling import _check_ids, _is_traced
 
@@ -61,11 +73,15 @@ class LEDEncoderOutput:
 @flax.struct.dataclass
 class LEDLayerCache:
   """One decoder layer's keys and values. Slots at and after the cache's `index` hold zeros (or
-  stale values) and are never attended."""
-  self_key: jax.Array  # [B, S, H, D], S = max_length
-  self_value: jax.Array  # [B, S, H, D]
-  cross_key: jax.Array  # [B, N, H, D]: the encoder output through this layer's k_proj, once
-  cross_value: jax.Array  # [B, N, H, D]
+  stale values) and are never attended.
+
+  R, the decoding rows, is B, or B * K for a beam search (row b * K + k: beam k of batch item b);
+  the encoder side stays at B rows, shared by an item's K beams (`LEDDecoderLayer`). Keys and
+  values are heads-major, the layout the attention contracts (`LEDDecoderAttention.key_value`)."""
+  self_key: jax.Array  # [R, H, S, D], S = max_length
+  self_value: jax.Array  # [R, H, S, D]
+  cross_key: jax.Array  # [B, H, N, D]: the encoder output through this layer's k_proj, once
+  cross_value: jax.Array  # [B, H, N, D]
 
 
 @flax.struct.dataclass
@@ -77,7 +93,20 @@ class LEDDecoderCache:
 
   @property
   def max_length(self) -> int:
-    return self.layers[0].self_key.shape[1]
+    return self.layers[0].self_key.shape[2]
+
+  @property
+  def rows(self) -> int:
+    """R: decoding rows (batch * beams)."""
+    return self.layers[0].self_key.shape[0]
+
+  def reorder_rows(self, rows_R: jax.Array) -> LEDDecoderCache:
+    """Row r takes row rows_R[r]'s self-attention keys and values (beam search: each beam
+    continues from the one it extends). `rows_R` must stay within each batch item's K rows: the
+    cross-attention keys and values, one copy per item, are not moved."""
+    layers = tuple(layer.replace(self_key=layer.self_key[rows_R],
+                                 self_value=layer.self_value[rows_R]) for layer in self.layers)
+    return self.replace(layers=layers)
 
 
 @flax.struct.dataclass
@@ -141,17 +170,29 @@ class LEDDecoderAttention(nnx.Module):
     self.out_proj = dense((num_heads, head_dim), d_model, ("heads", "kv", "embed"), **args)
 
   def key_value(self, x_BxSxE: jax.Array) -> tuple[jax.Array, jax.Array]:
-    return self.k_proj(x_BxSxE), self.v_proj(x_BxSxE)
+    """Keys and values [B, H, S, D], heads-major: the layout the attention contracts, so that a
+    cache holding them is read in place. (Cached [B, S, H, D], they were transposed at every
+    decoding step: cross-attention over 16K encoder tokens was ~4x slower on CPU.)"""
+    heads_major = lambda x_BxSxHxD: x_BxSxHxD.transpose(0, 2, 1, 3)
+    return heads_major(self.k_proj(x_BxSxE)), heads_major(self.v_proj(x_BxSxE))
 
-  def __call__(self, hidden_BxTxE, key_BxSxHxD, value_BxSxHxD, mask_Bx1xTxS=None):
+  def __call__(self, hidden_BxTxE, key_BxHxSxD, value_BxHxSxD, mask_Bx1xTxS=None):
     """mask: True where query t may attend key s (broadcast over heads; None: every key).
 
-    `jax.nn.dot_product_attention` takes the softmax in float32 whatever the input dtype, and a
-    row with no key left gets a uniform average instead of NaN (HF's min-value mask does the
-    same); with the masks built here only decoder padding rows can have none."""
+    What `jax.nn.dot_product_attention` computes (XLA path), on heads-major keys: scores
+    accumulated and softmaxed in float32 whatever the input dtype, masked keys at a large
+    negative number, so that a row with no key left gets a uniform average instead of NaN (HF's
+    min-value mask does the same; with the masks built here only decoder padding rows can have
+    none)."""
     q_BxTxHxD = self.q_proj(hidden_BxTxE)
-    out_BxTxHxD = jax.nn.dot_product_attention(q_BxTxHxD, key_BxSxHxD, value_BxSxHxD,
-                                               mask=mask_Bx1xTxS)
+    scores_BxHxTxS = jnp.einsum("bthd,bhsd->bhts", q_BxTxHxD, key_BxHxSxD,
+                                preferred_element_type=jnp.float32)
+    scores_BxHxTxS = scores_BxHxTxS * (1.0 / np.sqrt(q_BxTxHxD.shape[-1])).astype(np.float32)
+    if mask_Bx1xTxS is not None:
+      large_negative = -0.7 * np.finfo(np.float32).max
+      scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, large_negative)
+    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(value_BxHxSxD.dtype)
+    out_BxTxHxD = jnp.einsum("bhts,bhsd->bthd", probs_BxHxTxS, value_BxHxSxD)
     return self.out_proj(out_BxTxHxD)
 
 
@@ -184,21 +225,25 @@ class LEDDecoderLayer(nnx.Module):
     `encoder_BxNxE`; with one, the T new keys/values are written at slots index..index+T-1 and
     the cross keys/values are the cached ones.
     """
-    key_BxSxHxD, value_BxSxHxD = self.self_attn.key_value(hidden_BxTxE)
+    key_BxHxSxD, value_BxHxSxD = self.self_attn.key_value(hidden_BxTxE)
     if cache is None:
-      cross_key_BxNxHxD, cross_value_BxNxHxD = self.encoder_attn.key_value(encoder_BxNxE)
+      cross_key_BxHxNxD, cross_value_BxHxNxD = self.encoder_attn.key_value(encoder_BxNxE)
     else:
-      start = (0, index, 0, 0)
-      key_BxSxHxD = jax.lax.dynamic_update_slice(
-          cache.self_key, key_BxSxHxD.astype(cache.self_key.dtype), start)
-      value_BxSxHxD = jax.lax.dynamic_update_slice(
-          cache.self_value, value_BxSxHxD.astype(cache.self_value.dtype), start)
-      cache = cache.replace(self_key=key_BxSxHxD, self_value=value_BxSxHxD)
-      cross_key_BxNxHxD, cross_value_BxNxHxD = cache.cross_key, cache.cross_value
-    attn_BxTxE = self.self_attn(hidden_BxTxE, key_BxSxHxD, value_BxSxHxD, self_mask_Bx1xTxS)
+      start = (0, 0, index, 0)
+      key_BxHxSxD = jax.lax.dynamic_update_slice(
+          cache.self_key, key_BxHxSxD.astype(cache.self_key.dtype), start)
+      value_BxHxSxD = jax.lax.dynamic_update_slice(
+          cache.self_value, value_BxHxSxD.astype(cache.self_value.dtype), start)
+      cache = cache.replace(self_key=key_BxHxSxD, self_value=value_BxHxSxD)
+      cross_key_BxHxNxD, cross_value_BxHxNxD = cache.cross_key, cache.cross_value
+    attn_BxTxE = self.self_attn(hidden_BxTxE, key_BxHxSxD, value_BxHxSxD, self_mask_Bx1xTxS)
     hidden_BxTxE = self.self_attn_layer_norm(hidden_BxTxE + self.dropout(attn_BxTxE))
-    attn_BxTxE = self.encoder_attn(hidden_BxTxE, cross_key_BxNxHxD, cross_value_BxNxHxD,
-                                   cross_mask_Bx1x1xN)
+    # A beam search's K rows per batch item (b * K + k) share the item's encoder keys, stored
+    # once: they attend as one row of K * T queries ([B * K, T, E] -> [B, K * T, E]), the same
+    # attention since cross-attention has no causal mask.
+    grouped_BxKTxE = hidden_BxTxE.reshape(cross_key_BxHxNxD.shape[0], -1, hidden_BxTxE.shape[-1])
+    attn_BxTxE = self.encoder_attn(grouped_BxKTxE, cross_key_BxHxNxD, cross_value_BxHxNxD,
+                                   cross_mask_Bx1x1xN).reshape(hidden_BxTxE.shape)
     hidden_BxTxE = self.encoder_attn_layer_norm(hidden_BxTxE + self.dropout(attn_BxTxE))
     mlp_BxTxE = self.fc2(self.act(self.fc1(hidden_BxTxE)))
     return self.final_layer_norm(hidden_BxTxE + self.dropout(mlp_BxTxE)), cache
@@ -315,6 +360,36 @@ def _bool_mask(name: str, mask, shape: tuple[int, ...], like: str) -> jax.Array 
   return mask != 0
 
 
+def _encoder_inputs(config: LEDConfig, input_ids, attention_mask, global_attention_mask
+                    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+  """(ids [B, N], attention mask [B, N] bool (default all real), global mask [B, N] bool or
+  None), checked: N fits the encoder's position table, the masks have the ids' shape and, when
+  they are concrete, no global token is padding."""
+  ids_BxN = _check_ids(input_ids, 2, "[batch, seq]")
+  shape = ids_BxN.shape
+  if shape[1] > config.max_encoder_position_embeddings:
+    raise ValueError(f"input_ids has {shape[1]} tokens; the encoder's position table holds "
+                     f"max_encoder_position_embeddings={config.max_encoder_position_embeddings}")
+  mask_BxN = _bool_mask("attention_mask", attention_mask, shape, "input_ids")
+  mask_BxN = jnp.ones(shape, bool) if mask_BxN is None else mask_BxN
+  global_BxN = _bool_mask("global_attention_mask", global_attention_mask, shape, "input_ids")
+  if global_BxN is not None and not (_is_traced(global_BxN) or _is_traced(mask_BxN)):
+    # Reduced to scalars on the device: the masks may be global arrays sharded over processes.
+    on_padding_BxN = global_BxN & ~mask_BxN
+    count = int(jnp.sum(on_padding_BxN))
+    if count:
+      row, position = divmod(int(jnp.argmax(on_padding_BxN.reshape(-1))), shape[1])
+      raise ValueError(
+          f"global_attention_mask marks {count} padding token(s), the first at row {row}, "
+          f"position {position} (attention_mask 0 there); a padding token cannot be global")
+  return ids_BxN, mask_BxN, global_BxN
+
+
+def _max_global(global_BxN: jax.Array) -> int:
+  """The most global tokens in any row (concrete masks only): the static bound `encode` needs."""
+  return int(jnp.max(jnp.sum(global_BxN, axis=1), initial=0))
+
+
 class LEDModel(nnx.Module):
   """The encoder-decoder: a shared token embedding, the Longformer encoder, the BART decoder.
 
@@ -344,49 +419,38 @@ class LEDModel(nnx.Module):
         the first token for summarization); default none. Must not mark padding.
       max_global: static bound on global tokens per row, needed under jit with a global mask.
     """
-    c = self.config
-    ids_BxN = _check_ids(input_ids, 2, "[batch, seq]")
-    shape = ids_BxN.shape
-    if shape[1] > c.max_encoder_position_embeddings:
-      raise ValueError(f"input_ids has {shape[1]} tokens; the encoder's position table holds "
-                       f"max_encoder_position_embeddings={c.max_encoder_position_embeddings}")
-    mask_BxN = _bool_mask("attention_mask", attention_mask, shape, "input_ids")
-    mask_BxN = jnp.ones(shape, bool) if mask_BxN is None else mask_BxN
-    global_BxN = _bool_mask("global_attention_mask", global_attention_mask, shape,
-                            "input_ids")
+    ids_BxN, mask_BxN, global_BxN = _encoder_inputs(self.config, input_ids, attention_mask,
+                                                    global_attention_mask)
     if global_BxN is not None:
-      if not (_is_traced(global_BxN) or _is_traced(mask_BxN)):
-        on_padding = np.argwhere(np.asarray(global_BxN & ~mask_BxN))
-        if len(on_padding):
-          raise ValueError(
-              f"global_attention_mask marks {len(on_padding)} padding token(s), the first at "
-              f"row {on_padding[0][0]}, position {on_padding[0][1]} (attention_mask 0 there); "
-              f"a padding token cannot be global")
-        if max_global is None:
-          max_global = int(jnp.max(jnp.sum(global_BxN, axis=1), initial=0))
+      if max_global is None and not _is_traced(global_BxN):
+        max_global = _max_global(global_BxN)
       global_BxN = global_BxN & mask_BxN  # under jit: a padding token is never global
     return self.encoder(self.shared, ids_BxN, mask_BxN, global_BxN, max_global=max_global,
                         output_hidden_states=output_hidden_states)
 
   def init_cache(self, encoder_hidden_states, encoder_attention_mask=None, *,
-                 max_length: int) -> LEDDecoderCache:
+                 max_length: int, num_beams: int = 1) -> LEDDecoderCache:
     """The decoding cache for `max_length` decoder positions, from the encoder output [B, N, E]:
-    every layer's cross-attention keys and values are computed here, once."""
+    every layer's cross-attention keys and values are computed here, once. With num_beams = K
+    the cache decodes B * K rows (row b * K + k: beam k of item b) that share their item's
+    cross-attention keys and values (kept at B rows)."""
     c = self.config
     if not isinstance(max_length, int) or not 1 <= max_length <= c.max_decoder_position_embeddings:
       raise ValueError(f"max_length={max_length!r} must be an int in [1, "
                        f"max_decoder_position_embeddings={c.max_decoder_position_embeddings}]")
+    search.check_int("num_beams", num_beams, 1)
     encoder_BxNxE = jnp.asarray(encoder_hidden_states)
     batch, num_encoder = encoder_BxNxE.shape[:2]
     mask_BxN = _bool_mask("encoder_attention_mask", encoder_attention_mask, (batch, num_encoder),
                           "the encoder output's first two axes")
     layers = []
     for layer in self.decoder.layers:
-      cross_key_BxNxHxD, cross_value_BxNxHxD = layer.encoder_attn.key_value(encoder_BxNxE)
-      slots_BxSxHxD = jnp.zeros((batch, max_length) + cross_key_BxNxHxD.shape[2:],
-                                cross_key_BxNxHxD.dtype)
-      layers.append(LEDLayerCache(slots_BxSxHxD, slots_BxSxHxD, cross_key_BxNxHxD,
-                                  cross_value_BxNxHxD))
+      cross_key_BxHxNxD, cross_value_BxHxNxD = layer.encoder_attn.key_value(encoder_BxNxE)
+      _, heads, _, head_dim = cross_key_BxHxNxD.shape
+      slots_RxHxSxD = jnp.zeros((batch * num_beams, heads, max_length, head_dim),
+                                cross_key_BxHxNxD.dtype)
+      layers.append(LEDLayerCache(slots_RxHxSxD, slots_RxHxSxD, cross_key_BxHxNxD,
+                                  cross_value_BxHxNxD))
     return LEDDecoderCache(
         layers=tuple(layers),
         encoder_mask=jnp.ones((batch, num_encoder), bool) if mask_BxN is None else mask_BxN,
@@ -426,9 +490,9 @@ class LEDModel(nnx.Module):
         raise ValueError("with a cache, decode takes only the new decoder_input_ids: the "
                          "encoder output and its mask are in the cache, and cached decoding "
                          "has no decoder padding")
-      if cache.encoder_mask.shape[0] != batch:
+      if cache.rows != batch:
         raise ValueError(f"decoder_input_ids has batch {batch}; the cache was built for batch "
-                         f"{cache.encoder_mask.shape[0]}")
+                         f"{cache.rows}")
       position = "cache.index" if _is_traced(cache.index) else int(cache.index)
       if num_new > cache.max_length or (
           isinstance(position, int) and position + num_new > cache.max_length):
@@ -479,7 +543,13 @@ class LEDForConditionalGeneration(nnx.Module):
                                        **logical_axes("vocab"))
 
   def lm_logits(self, hidden_BxTxE: jax.Array) -> jax.Array:
-    logits_BxTxV = self.led.shared.attend(hidden_BxTxE)
+    shared = self.led.shared
+    hidden_BxTxE, table_VxE = shared.promote_dtype((hidden_BxTxE, shared.embedding[...]),
+                                                   dtype=shared.dtype)
+    # `Embed.attend`'s computation, with the table's E axis contracted in place: attend's
+    # jnp.dot(h, table.T) makes XLA:CPU copy the [V, E] table transposed at every call, which
+    # made a one-row decoding step ~10x slower at V = 50k.
+    logits_BxTxV = jnp.einsum("bte,ve->btv", hidden_BxTxE, table_VxE)
     return logits_BxTxV + self.final_logits_bias[...].astype(logits_BxTxV.dtype)
 
   def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None,
@@ -506,6 +576,149 @@ class LEDForConditionalGeneration(nnx.Module):
     cache's, so under jit one compilation serves every step."""
     out = self.led.decode(decoder_input_ids, cache=cache)
     return self.lm_logits(out.last_hidden_state), out.cache
+
+  def generate(self, input_ids, attention_mask=None, global_attention_mask=None, *,
+               max_new_tokens: int = 20, num_beams: int = 1, do_sample: bool = False,
+               temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
+               length_penalty: float = 1.0, early_stopping: bool | str = False,
+               no_repeat_ngram_size: int = 0, min_length: int = 0,
+               forced_bos_token_id: int | None = None, forced_eos_token_id: int | None = None,
+               seed: int = 0) -> jax.Array:
+    """Summaries (or any outputs) of the encoder inputs: HF's `generate` for LED, compiled.
+
+    Two jitted programs: the encoder pass (once), then the generation loop: the cache
+    (cross-attention keys and values computed once, `init_cache`) and the whole search, one
+    `lax.while_loop` (longformer_jax.search) that feeds one token per step through the static
+    cache and stops as soon as every row (or beam) is done. The encoder compiles once per model
+    structure, input shape and global-token bound, the loop once per model structure, shape and
+    settings; later calls reuse both. Call it outside jit: it checks the masks and reads the
+    output length on the host.
+
+    Args:
+      input_ids, attention_mask: [B, N] encoder tokens, padding 0 in the mask (default none).
+      global_attention_mask: [B, N]; default: the first real token of each row (<s>), as HF
+        documents for LED summarization (HF itself defaults to none: pass it there).
+      max_new_tokens: tokens generated after the decoder start token (<= the decoder's
+        position table, max_decoder_position_embeddings).
+      num_beams: 1 for greedy decoding or sampling, K > 1 for beam search.
+      do_sample, temperature, top_k, top_p: sampling (num_beams = 1 only), through
+        `generation.SamplingConfig` / `sample_logits`; HF's sampling defaults top_k to 50, here
+        it is None (off). Token n is drawn with fold_in(key(seed), n).
+      length_penalty, early_stopping: beam search's (`search.BeamConfig`): HF's semantics and
+        defaults (1.0 and False; True and "never" are its other values).
+      no_repeat_ngram_size, min_length, forced_bos_token_id, forced_eos_token_id: HF's logits
+        processors of those names (`search.SearchConfig`; min_length counts the decoder start
+        token, as HF's). Default off: HF's `GenerationConfig.from_model_config` sets none of
+        them for an LED config, which has no such fields.
+      seed: for sampling.
+
+    The config's decoder_start_token_id starts every output, eos_token_id ends a row and
+    pad_token_id fills it afterwards (HF's defaults for LED: 2, 2, 1). Dropout is off (the
+    model's train/eval mode is not changed).
+
+    Returns int32 [B, L]: HF's output for the same settings (do_sample=False: token for token,
+    tests/test_led_generate.py), L = 1 + the new tokens of the longest row (the loop's length
+    for greedy decoding, the longest best hypothesis for beam search).
+    """
+    c = self.config
+    search.check_int("max_new_tokens", max_new_tokens, 1)
+    search.check_int("num_beams", num_beams, 1)
+    if max_new_tokens > c.max_decoder_position_embeddings:
+      raise ValueError(
+          f"max_new_tokens={max_new_tokens} exceeds the decoder's position table "
+          f"(max_decoder_position_embeddings={c.max_decoder_position_embeddings})")
+    if isinstance(min_length, int) and min_length > 1 + max_new_tokens:
+      raise ValueError(f"min_length={min_length} can never be reached: outputs hold at most "
+                       f"1 + max_new_tokens={1 + max_new_tokens} tokens")
+    for name, value in (("forced_bos_token_id", forced_bos_token_id),
+                        ("forced_eos_token_id", forced_eos_token_id)):
+      if value is not None and not (isinstance(value, int) and 0 <= value < c.vocab_size):
+        raise ValueError(f"{name}={value!r} is not a token id of the vocabulary "
+                         f"(vocab_size={c.vocab_size})")
+    if do_sample:
+      if num_beams > 1:
+        raise ValueError(f"do_sample=True with num_beams={num_beams}: beam sampling is not "
+                         f"supported (sample with num_beams=1, or search with do_sample=False)")
+      if not (isinstance(temperature, (int, float)) and temperature > 0):
+        raise ValueError(f"temperature must be > 0 with do_sample=True, got {temperature!r} "
+                         f"(do_sample=False is greedy)")
+      if top_k is not None and isinstance(top_k, int) and top_k > c.vocab_size:
+        raise ValueError(f"top_k={top_k} exceeds the vocabulary (vocab_size={c.vocab_size})")
+      sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    else:
+      sampling = SamplingConfig(temperature=0.0)  # greedy: argmax of the processed logits
+    settings = _GenerateSettings(
+        search_config=search.SearchConfig(
+            max_length=1 + max_new_tokens, eos_token_id=c.eos_token_id,
+            pad_token_id=c.pad_token_id, min_length=min_length,
+            no_repeat_ngram_size=no_repeat_ngram_size, forced_bos_token_id=forced_bos_token_id,
+            forced_eos_token_id=forced_eos_token_id),
+        beams=search.BeamConfig(num_beams, length_penalty, early_stopping), sampling=sampling)
+    ids_BxN, mask_BxN, global_BxN = _encoder_inputs(c, input_ids, attention_mask,
+                                                    global_attention_mask)
+    if global_BxN is None:
+      # The first real token of each row (position 0 unless the row is left-padded).
+      global_BxN = mask_BxN & (jnp.cumsum(mask_BxN, axis=1) == 1)
+    graphdef, state = nnx.split(self)
+    encoder_BxNxE = _encode_fn(graphdef, _max_global(global_BxN))(
+        state, ids_BxN.astype(jnp.int32), mask_BxN, global_BxN)
+    sequences_BxL, length = _generate_fn(graphdef, settings)(state, encoder_BxNxE, mask_BxN,
+                                                             jax.random.key(seed))
+    return sequences_BxL[:, :int(length)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _GenerateSettings:
+  """Everything static about a generation loop (a key of the compiled-program cache)."""
+  search_config: search.SearchConfig
+  beams: search.BeamConfig
+  sampling: SamplingConfig
+
+
+def _merged_for_inference(graphdef, state):
+  model = nnx.merge(graphdef, state)
+  model.eval()  # this merged copy only: generation never drops out
+  return model
+
+
+@functools.lru_cache(maxsize=16)
+def _encode_fn(graphdef, max_global: int):
+  """The jitted encoder pass of `generate` ([B, N, E]), compiled apart from the search loop so
+  that one compilation serves every search setting."""
+
+  @jax.jit
+  def run(state, ids_BxN, mask_BxN, global_BxN):
+    model = _merged_for_inference(graphdef, state)
+    return model.encode(ids_BxN, mask_BxN, global_BxN, max_global=max_global).last_hidden_state
+
+  return run
+
+
+@functools.lru_cache(maxsize=16)
+def _generate_fn(graphdef, settings: _GenerateSettings):
+  """One jitted generation loop per model structure and settings: the cache (cross-attention
+  keys and values, once) and the whole search, one `lax.while_loop`."""
+
+  @jax.jit
+  def run(state, encoder_BxNxE, mask_BxN, key):
+    model = _merged_for_inference(graphdef, state)
+    c, num_beams = model.config, settings.beams.num_beams
+    # Positions 0 .. max_new_tokens - 1 are fed (the last token generated never is).
+    cache = model.init_cache(encoder_BxNxE, mask_BxN, num_beams=num_beams,
+                             max_length=settings.search_config.max_length - 1)
+    start_Bx1 = jnp.full((encoder_BxNxE.shape[0], 1), c.decoder_start_token_id, jnp.int32)
+
+    def step(tokens_RxT, cache):
+      logits_RxTxV, cache = model.decode_step(tokens_RxT, cache)
+      return logits_RxTxV[:, -1], cache
+
+    if num_beams == 1:  # HF's `_sample` (greedy or sampling)
+      return search.sample_search(step, cache, start_Bx1, settings.search_config,
+                                  settings.sampling, key)
+    return search.beam_search(step, LEDDecoderCache.reorder_rows, cache, start_Bx1,
+                              settings.search_config, settings.beams)
+
+  return run
 
 
 class LEDForQuestionAnswering(nnx.Module):
