@@ -24,7 +24,7 @@ import json
 import math
 import sys
 
-from train.charlm import add_distributed_args, initialize_distributed
+from train.cli import add_distributed_args, initialize_distributed
 
 
 def main(argv: list[str] | None = None) -> int:

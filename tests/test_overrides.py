@@ -16,7 +16,7 @@ import pytest
 from longformer_jax.config import CharLMConfig
 from longformer_jax.training import Stage, TrainConfig, apply_overrides
 from longformer_jax.training.overrides import parse_value
-from train.charlm import load_config
+from train.cli import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train" / "configs"

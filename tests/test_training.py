@@ -301,7 +301,7 @@ class _MaskedLMTask(Task):
     return LongformerForMaskedLM(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
 
   def loss(self, model, batch, stage, dropout_key):
-    nnx.reseed(model, dropout=dropout_key)
+    nnx.reseed(model, default=dropout_key)  # the dropout layers draw from `default`
     logits = model(batch["input_ids"]).logits
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["labels"])
     return jnp.sum(nll * batch["weights"]) / jnp.maximum(jnp.sum(batch["weights"]), 1.0)

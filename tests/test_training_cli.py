@@ -10,7 +10,7 @@ import pytest
 
 from longformer_jax.training import TrainConfig
 from longformer_jax.training.overrides import apply_overrides
-from train.charlm import add_distributed_args, initialize_distributed, load_config
+from train.cli import add_distributed_args, initialize_distributed, load_config
 
 CONFIGS = Path(__file__).parents[1] / "train" / "configs"
 

@@ -24,49 +24,12 @@ JAX_NUM_PROCESSES and JAX_PROCESS_ID. `--data-file` trains on any file's bytes (
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
 
-
-# Exit status after SIGTERM once the step is saved (sysexits' EX_TEMPFAIL: "try again later").
-EXIT_PREEMPTED = 75
-
-
-def load_config(path: str):
-  """`get_config()` of a config file, imported by path."""
-  spec = importlib.util.spec_from_file_location(f"charlm_config_{Path(path).stem}", path)
-  if spec is None or spec.loader is None:
-    raise ValueError(f"cannot import a config from {path!r}")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
-def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-  """--distributed and the three values `training.maybe_initialize_distributed` passes on."""
-  parser.add_argument("--distributed", default="auto", choices=("auto", "on", "off"),
-                      help="jax.distributed.initialize(): 'on' in every process of a "
-                           "multi-process run; 'auto' does it when the arguments or the "
-                           "environment name a cluster")
-  parser.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
-                      help="process 0's address (default: $JAX_COORDINATOR_ADDRESS; found "
-                           "automatically on TPU slices, SLURM and Open MPI)")
-  parser.add_argument("--num-processes", type=int, default=None,
-                      help="processes in the run (default: $JAX_NUM_PROCESSES or detected)")
-  parser.add_argument("--process-id", type=int, default=None,
-                      help="this process, 0..num_processes-1 (default: $JAX_PROCESS_ID or "
-                           "detected)")
-
-
-def initialize_distributed(args: argparse.Namespace) -> None:
-  """`training.maybe_initialize_distributed` with the flags of `add_distributed_args`."""
-  from longformer_jax import training  # pylint: disable=g-import-not-at-top
-  training.maybe_initialize_distributed(
-      args.distributed, coordinator_address=args.coordinator_address,
-      num_processes=args.num_processes, process_id=args.process_id)
+from train.cli import EXIT_PREEMPTED, add_distributed_args, initialize_distributed, load_config
 
 
 def split_of_file(path: str, split: str):

@@ -1,4 +1,4 @@
-"""Staged, mesh-sharded training with exact Orbax resume (train/charlm.py runs it).
+"""Staged, mesh-sharded training with exact Orbax resume (the entry points in train/ run it).
 
   config     Stage, TrainConfig, paper_stages, run_config.json
   identity   what a run is fixed to: check_resume, RunMismatchError
@@ -8,6 +8,11 @@
   metrics    metrics.jsonl / TensorBoard and the curves plot
   task       Task: what a model family supplies (model, loss, batches, validation)
   charlm     CharLMTask: the character-level LM
+  mlm        MLMTask: continued masked-LM pretraining (paper §5), its evaluation and presets
+  seq2seq    Seq2SeqTask: LED on (source, target) pairs, ROUGE of generated outputs
+  finetune   FinetuneTask: classification, QA, tagging, multiple choice (paper §6)
+  sources    where a run's starting weights come from: any model directory, their checksum
+  examples   scoring whole examples on a mesh: row batches, placement, progress
   loop       TrainState, Trainer, train()
 """
 

@@ -27,7 +27,10 @@ class Stage:
   steps: optimizer steps in this stage; learning_rate: peak (and constant) rate of the stage;
   end_learning_rate: if set, cosine decay from learning_rate to it over the stage;
   warmup_steps: linear warm-up from 0 at the start of the stage;
-  windows: per-layer one-sided attention windows for this stage (None: the model config's).
+  windows: per-layer one-sided attention windows for this stage (None: the model config's);
+  decay_power: with end_learning_rate, a polynomial decay of this power after the warm-up
+    instead of the cosine: end + (peak - end) * (1 - t)^power, t from 0 to 1 over the rest of
+    the stage (the Longformer MLM schedule is power 3, paper §5).
   """
   seq_len: int
   batch_size: int
@@ -36,6 +39,7 @@ class Stage:
   end_learning_rate: float | None = None
   warmup_steps: int = 0
   windows: tuple[int, ...] | None = None
+  decay_power: float | None = None
 
   def __post_init__(self):
     for name in ("seq_len", "batch_size", "steps"):
@@ -44,6 +48,11 @@ class Stage:
     _check_real(self, "learning_rate", above=0)
     if self.end_learning_rate is not None:
       _check_real(self, "end_learning_rate", minimum=0)
+    if self.decay_power is not None:
+      _check_real(self, "decay_power", above=0)
+      if self.end_learning_rate is None:
+        raise ValueError(f"Stage.decay_power={self.decay_power} needs end_learning_rate (the "
+                         f"rate it decays to)")
     if not 0 <= self.warmup_steps <= self.steps:
       raise ValueError(f"Stage.warmup_steps must be in [0, steps={self.steps}], "
                        f"got {self.warmup_steps}")
@@ -229,8 +238,9 @@ def config_from_record(record: dict[str, Any], where: str = "run record") -> Tra
   record.pop("data", None)
   name = record.pop("model_config_class")
   config_class = getattr(model_configs, name, None)
-  if not (isinstance(config_class, type)
-          and issubclass(config_class, model_configs.TransformerConfig)):
+  # Any model config class of longformer_jax.config (TransformerConfig's, LEDConfig).
+  if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)
+          and hasattr(config_class, "from_dict")):
     raise ValueError(f"{where}: model_config_class={name!r} is not a config class of "
                      "longformer_jax.config")
   model = config_class.from_dict(record.pop("model"))

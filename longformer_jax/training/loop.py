@@ -64,6 +64,12 @@ from longformer_jax.training.sharding import (batch_sharding, make_mesh, param_s
 from longformer_jax.training.task import Task
 
 
+def _flat(pure: Mapping[str, Any]) -> dict[str, Any]:
+  """{"a/b/c": leaf} of a nested dict of parameters."""
+  return {jax.tree_util.keystr(path, simple=True, separator="/"): x
+          for path, x in jax.tree_util.tree_flatten_with_path(pure)[0]}
+
+
 class NonFiniteLossError(RuntimeError):
   """The loss, the gradients or the parameters became NaN or inf; nothing was saved after the
   last good checkpoint, which the message names."""
@@ -100,6 +106,7 @@ class Trainer:
     self._build = lambda: self.task.build_model(cfg.model, nnx.Rngs(cfg.seed), mesh=self.mesh,
                                                 seq_axis=seq_axis(self.mesh))
     self.graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(self._build), nnx.Param, ...)
+    self._abstract_params = abstract_params
     self.param_shardings = param_shardings(abstract_params, self.mesh, cfg.logical_rules)
     self.replicated = NamedSharding(self.mesh, P())
     abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
@@ -132,12 +139,40 @@ class Trainer:
                         shapes, self.state_shardings)
 
   def _init(self) -> TrainState:
-    params = nnx.state(self._build(), nnx.Param)
+    return self._init_from(nnx.state(self._build(), nnx.Param))
+
+  def init_state(self, params: Any = None) -> TrainState:
+    """Step 0: the parameters initialised from the seed, or `params` (e.g. pretrained weights
+    to fine-tune), and a fresh optimizer state, each in its sharding.
+
+    params: the model's parameters as `nnx.state(model, nnx.Param)` or its pure dict, from a
+      model of the same structure (host or device arrays; cast to the parameter dtypes). A
+      missing, extra or differently shaped array is a ValueError naming it.
+    """
+    if params is None:
+      return jax.jit(self._init, out_shardings=self.state_shardings)()
+    want_pure = nnx.to_pure_dict(self._abstract_params)
+    given_pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+    want, given = _flat(want_pure), _flat(given_pure)
+    if set(given) != set(want):
+      raise ValueError(f"the initial parameters do not match the model's: missing "
+                       f"{sorted(set(want) - set(given))[:5]}, unexpected "
+                       f"{sorted(set(given) - set(want))[:5]}")
+    for name, x in given.items():
+      if tuple(x.shape) != want[name].shape:
+        raise ValueError(f"initial parameter {name} has shape {tuple(x.shape)}; the model's "
+                         f"is {want[name].shape}")
+    # Cast on the host, then each device receives only its shards of every array.
+    target = jax.tree.map(lambda x: x, self._abstract_params)
+    nnx.replace_by_pure_dict(target, jax.tree.map(lambda x, t: np.asarray(x, t.dtype),
+                                                  given_pure, want_pure))
+    params = jax.device_put(target, self.param_shardings)
+    return jax.jit(self._init_from, out_shardings=self.state_shardings,
+                   donate_argnums=0)(params)
+
+  def _init_from(self, params) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                       opt_state=self.optimizer.init(params))
-
-  def init_state(self) -> TrainState:
-    return jax.jit(self._init, out_shardings=self.state_shardings)()
 
   def model(self, params) -> nnx.Module:
     return nnx.merge(self.graphdef, params, self.rest)
@@ -379,7 +414,8 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
           train_data: np.ndarray | None = None, valid_data: np.ndarray | None = None,
           mesh: Mesh | None = None, progress: bool = True, logdir: str | os.PathLike | None = None,
           step_hook: Callable[[int, dict[str, float]], None] | None = None,
-          task: Task | None = None, allow_changes: Sequence[str] = ()) -> dict[str, Any]:
+          task: Task | None = None, allow_changes: Sequence[str] = (),
+          init_params: Callable[[], Any] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the staged schedule of `cfg` in `workdir`; returns a summary dict.
 
   task: what is trained (default: the char LM, `CharLMTask(train_data, valid_data)`).
@@ -391,6 +427,10 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
     when it is local, else runs/<workdir name>: JSONL appends need a local file system).
   allow_changes: dotted names of optimiser/schedule settings that may differ from the run's on
     resume (`training.identity`); the model and the data never may.
+  init_params: returns the parameters a new run starts from (`Trainer.init_state`), e.g.
+    pretrained weights to fine-tune; called only when the run starts, not on resume. Default:
+    initialised from the seed. Name the weights in `task.data_identity`, so that a resume with
+    other ones is refused.
   Returns {"status": "done" | "preempted", "step", "last_loss", and the last validation
   metrics, e.g. "valid_bpc"}.
   Raises `identity.RunMismatchError` (before anything is written), `NonFiniteLossError`,
@@ -428,7 +468,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
   else:
     if (workdir / RUN_CONFIG).exists():
       check_meta({"run": read_run_record(workdir), "step": 0})
-    state, step = trainer.init_state(), 0
+    state, step = trainer.init_state(None if init_params is None else init_params()), 0
   if is_main:
     if steps:
       print(f"resumed from step {step} (stage {meta['stage']}) in {checkpoints_dir}")

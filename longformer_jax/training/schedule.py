@@ -11,10 +11,13 @@ from longformer_jax.training.config import Stage, TrainConfig
 
 def stage_schedule(stage: Stage) -> optax.Schedule:
   """One stage's rate, from the stage's first step: linear warm-up from 0, then constant or a
-  cosine decay to `end_learning_rate`."""
+  cosine (or, with `decay_power`, polynomial) decay to `end_learning_rate`."""
   peak = stage.learning_rate
   if stage.end_learning_rate is None:
     decay = optax.constant_schedule(peak)
+  elif stage.decay_power is not None:
+    decay = optax.polynomial_schedule(peak, stage.end_learning_rate, stage.decay_power,
+                                      max(stage.steps - stage.warmup_steps, 1))
   else:
     decay = optax.cosine_decay_schedule(
         peak, max(stage.steps - stage.warmup_steps, 1), alpha=stage.end_learning_rate / peak)

@@ -1,0 +1,83 @@
+"""Where the weights of a run come from: any model directory, whatever wrote it, opened the one
+way every entry point does (`train.mlm`, `train.finetune`, `train.seq2seq`), and the checksum
+that names those weights in a run's identity (a resume from other weights is refused).
+
+    kind, model = sources.open_model_dir(path, {"longformer": convert.from_hf}, workdir_class)
+    identity = {"kind": kind, "params_sha256": sources.params_fingerprint(host_params)}
+
+Nothing is downloaded: an HF model is a local directory (`save_pretrained`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from longformer_jax.training.config import TrainConfig
+
+__all__ = ["host_params", "open_model_dir", "params_fingerprint"]
+
+
+def open_model_dir(spec: str | os.PathLike, hf: Mapping[str, Callable[[str], nnx.Module]],
+                   workdir_class: Callable[[dict[str, Any], TrainConfig], type[nnx.Module]]
+                   ) -> tuple[str, nnx.Module]:
+  """(kind, model) of a model directory (nothing is downloaded):
+
+    "hf_<type>"   an HF directory (config.json): `hf[model_type](spec)`
+    "checkpoint"  a project model checkpoint (model.json): `checkpoint.load_model`
+    "workdir"     a training workdir (run_config.json): its newest checkpoint that verifies, in
+                  the class `workdir_class(run record, TrainConfig)` names (which raises
+                  ValueError for a run of another model family)
+
+  Raises FileNotFoundError / ValueError naming the directory and what it holds.
+  """
+  # pylint: disable=g-import-not-at-top
+  from longformer_jax import checkpoint
+  from longformer_jax.training.config import config_from_record, read_run_record
+  # pylint: enable=g-import-not-at-top
+  spec = os.fspath(spec)
+  if not os.path.isdir(spec):
+    raise FileNotFoundError(f"{spec} is not a model directory: no such directory")
+  if os.path.isfile(os.path.join(spec, "config.json")):
+    with open(os.path.join(spec, "config.json")) as f:
+      model_type = json.load(f).get("model_type")
+    if model_type not in hf:
+      raise ValueError(f"{spec}/config.json has model_type={model_type!r}; expected one of "
+                       f"{sorted(hf)}")
+    return f"hf_{model_type}", hf[model_type](spec)
+  if os.path.isfile(os.path.join(spec, checkpoint.MODEL_JSON)):
+    return "checkpoint", checkpoint.load_model(spec)
+  if os.path.isfile(os.path.join(spec, "run_config.json")):
+    record = read_run_record(spec)
+    cfg = config_from_record(record, f"{spec}/run_config.json")
+    model_class = workdir_class(record, cfg)
+    return "workdir", checkpoint.restore_model(
+        lambda: model_class(cfg.model, rngs=nnx.Rngs(0)), spec)
+  raise FileNotFoundError(f"{spec} holds no config.json (HF), {checkpoint.MODEL_JSON} "
+                          f"(project model checkpoint) or run_config.json (training workdir)")
+
+
+def host_params(model: nnx.Module) -> dict[str, Any]:
+  """The model's parameters as a pure dict of host numpy arrays."""
+  return jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def params_fingerprint(params: Any) -> str:
+  """SHA-256 of parameters (a pure dict or an nnx.State; host or device arrays): every array's
+  path, dtype, shape and bytes, computed on the host (about 1 GB/s; nothing is compiled)."""
+  if isinstance(params, nnx.State):
+    params = nnx.to_pure_dict(params)
+  digest = hashlib.sha256()
+  for path, x in sorted((jax.tree_util.keystr(p), x)
+                        for p, x in jax.tree_util.tree_flatten_with_path(params)[0]):
+    x = np.ascontiguousarray(x)
+    digest.update(f"{path} {x.dtype} {x.shape}\n".encode())
+    digest.update(x.tobytes())
+  return digest.hexdigest()
