@@ -54,7 +54,8 @@ from longformer_jax.config import LEDConfig
 from longformer_jax.encoder import LongformerLayer
 from longformer_jax.generation import SamplingConfig
 from longformer_jax.layers import activation, dense, embed, layer_norm, logical_axes, maybe_remat
-from longformer_jax.modeling import _check_ids, _is_traced
+from longformer_jax.modeling import check_ids
+from longformer_jax.ops.validation import is_traced
 
 # torch.nn.LayerNorm's default: HF's LED builds every LayerNorm without an eps argument.
 LAYER_NORM_EPS = 1e-5
@@ -365,7 +366,7 @@ def _encoder_inputs(config: LEDConfig, input_ids, attention_mask, global_attenti
   """(ids [B, N], attention mask [B, N] bool (default all real), global mask [B, N] bool or
   None), checked: N fits the encoder's position table, the masks have the ids' shape and, when
   they are concrete, no global token is padding."""
-  ids_BxN = _check_ids(input_ids, 2, "[batch, seq]")
+  ids_BxN = check_ids(input_ids, 2, "[batch, seq]")
   shape = ids_BxN.shape
   if shape[1] > config.max_encoder_position_embeddings:
     raise ValueError(f"input_ids has {shape[1]} tokens; the encoder's position table holds "
@@ -373,7 +374,7 @@ def _encoder_inputs(config: LEDConfig, input_ids, attention_mask, global_attenti
   mask_BxN = _bool_mask("attention_mask", attention_mask, shape, "input_ids")
   mask_BxN = jnp.ones(shape, bool) if mask_BxN is None else mask_BxN
   global_BxN = _bool_mask("global_attention_mask", global_attention_mask, shape, "input_ids")
-  if global_BxN is not None and not (_is_traced(global_BxN) or _is_traced(mask_BxN)):
+  if global_BxN is not None and not (is_traced(global_BxN) or is_traced(mask_BxN)):
     # Reduced to scalars on the device: the masks may be global arrays sharded over processes.
     on_padding_BxN = global_BxN & ~mask_BxN
     count = int(jnp.sum(on_padding_BxN))
@@ -422,7 +423,7 @@ class LEDModel(nnx.Module):
     ids_BxN, mask_BxN, global_BxN = _encoder_inputs(self.config, input_ids, attention_mask,
                                                     global_attention_mask)
     if global_BxN is not None:
-      if max_global is None and not _is_traced(global_BxN):
+      if max_global is None and not is_traced(global_BxN):
         max_global = _max_global(global_BxN)
       global_BxN = global_BxN & mask_BxN  # under jit: a padding token is never global
     return self.encoder(self.shared, ids_BxN, mask_BxN, global_BxN, max_global=max_global,
@@ -470,7 +471,7 @@ class LEDModel(nnx.Module):
       cache: from `init_cache` or a previous call; the output carries the updated one.
     """
     c = self.config
-    ids_BxT = _check_ids(decoder_input_ids, 2, "[batch, decoder_seq]")
+    ids_BxT = check_ids(decoder_input_ids, 2, "[batch, decoder_seq]")
     batch, num_new = ids_BxT.shape
     if cache is None:
       if encoder_hidden_states is None:
@@ -493,7 +494,7 @@ class LEDModel(nnx.Module):
       if cache.rows != batch:
         raise ValueError(f"decoder_input_ids has batch {batch}; the cache was built for batch "
                          f"{cache.rows}")
-      position = "cache.index" if _is_traced(cache.index) else int(cache.index)
+      position = "cache.index" if is_traced(cache.index) else int(cache.index)
       if num_new > cache.max_length or (
           isinstance(position, int) and position + num_new > cache.max_length):
         raise ValueError(f"{num_new} new decoder tokens at position {position} do not fit the "
@@ -520,7 +521,7 @@ class LEDModel(nnx.Module):
     if decoder_input_ids is None:
       if input_ids is None:
         raise ValueError("give decoder_input_ids, or input_ids to shift right into them")
-      decoder_input_ids = shift_tokens_right(_check_ids(input_ids, 2, "[batch, seq]"),
+      decoder_input_ids = shift_tokens_right(check_ids(input_ids, 2, "[batch, seq]"),
                                              c.pad_token_id, c.decoder_start_token_id)
     decoded = self.decode(decoder_input_ids, encoder_outputs.last_hidden_state, attention_mask,
                           decoder_attention_mask, output_hidden_states=output_hidden_states)

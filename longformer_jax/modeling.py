@@ -31,6 +31,7 @@ from flax import nnx
 from longformer_jax.config import LongformerConfig
 from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
 from longformer_jax.layers import dense, layer_norm, logical_axes, maybe_remat
+from longformer_jax.ops.validation import is_traced
 
 
 @flax.struct.dataclass
@@ -56,7 +57,8 @@ class LongformerQuestionAnsweringOutput:
   attentions: tuple[jax.Array, ...] | None = None
 
 
-def _check_ids(input_ids, ndim: int, what: str) -> jax.Array:
+def check_ids(input_ids, ndim: int, what: str) -> jax.Array:
+  """`input_ids` as an integer array of `ndim` dimensions (`what` names them in the error)."""
   ids = jnp.asarray(input_ids)
   if not jnp.issubdtype(ids.dtype, jnp.integer):
     raise TypeError(f"input_ids must hold integer token ids; got dtype {ids.dtype}")
@@ -73,9 +75,6 @@ def _check_like_ids(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
     raise ValueError(f"{name} has shape {x.shape}; expected the shape of input_ids, {shape}")
   return x
 
-
-def _is_traced(x) -> bool:
-  return isinstance(x, jax.core.Tracer)
 
 
 def sequence_classification_global_mask(input_ids_BxN: jax.Array) -> jax.Array:
@@ -156,7 +155,7 @@ class LongformerModel(nnx.Module):
       output_hidden_states, output_attentions: also return those (see module docstring).
     """
     c = self.config
-    ids_BxN = _check_ids(input_ids, 2, "[batch, seq]")
+    ids_BxN = check_ids(input_ids, 2, "[batch, seq]")
     shape = ids_BxN.shape
     if position_ids is None and shape[1] > c.max_sequence_length:
       raise ValueError(
@@ -168,7 +167,7 @@ class LongformerModel(nnx.Module):
     global_BxN = _check_like_ids("global_attention_mask", global_attention_mask, shape)
     if global_BxN is not None:
       global_BxN = (global_BxN != 0) & mask_BxN  # a padding token is never global
-      if max_global is None and not _is_traced(global_BxN):
+      if max_global is None and not is_traced(global_BxN):
         # Counted here, outside remat and the layer loop, where the mask is still concrete.
         max_global = int(jnp.max(jnp.sum(global_BxN, axis=1), initial=0))
     token_type_ids = _check_like_ids("token_type_ids", token_type_ids, shape)
@@ -309,7 +308,7 @@ class LongformerForSequenceClassification(nnx.Module):
     """kwargs: the other arguments of `LongformerModel.__call__`. Returns logits [B, L]."""
     if global_attention_mask is None:
       global_attention_mask = sequence_classification_global_mask(
-          _check_ids(input_ids, 2, "[batch, seq]"))
+          check_ids(input_ids, 2, "[batch, seq]"))
       kwargs.setdefault("max_global", 1)
     out = self.longformer(input_ids, attention_mask, global_attention_mask, **kwargs)
     return LongformerLogitsOutput(self.classifier(out.last_hidden_state), out.hidden_states,
@@ -338,7 +337,7 @@ class LongformerForQuestionAnswering(nnx.Module):
     """kwargs: the other arguments of `LongformerModel.__call__`."""
     if global_attention_mask is None:
       global_attention_mask = question_answering_global_mask(
-          _check_ids(input_ids, 2, "[batch, seq]"), self.config.sep_token_id)
+          check_ids(input_ids, 2, "[batch, seq]"), self.config.sep_token_id)
     out = self.longformer(input_ids, attention_mask, global_attention_mask, **kwargs)
     logits_BxNx2 = self.qa_outputs(out.last_hidden_state)
     return LongformerQuestionAnsweringOutput(logits_BxNx2[..., 0], logits_BxNx2[..., 1],
@@ -383,7 +382,7 @@ class LongformerForMultipleChoice(nnx.Module):
   def __call__(self, input_ids, attention_mask=None, global_attention_mask=None,
                token_type_ids=None, position_ids=None, **kwargs) -> LongformerLogitsOutput:
     """kwargs: the other arguments of `LongformerModel.__call__`. Returns logits [B, C]."""
-    ids_BxCxN = _check_ids(input_ids, 3, "[batch, choices, seq]")
+    ids_BxCxN = check_ids(input_ids, 3, "[batch, choices, seq]")
     batch, choices, seq = ids_BxCxN.shape
 
     def flat(name, x):

@@ -40,7 +40,8 @@ def _check_mask(name: str, mask, batch: int, seq: int):
   return mask.astype(bool)
 
 
-def _is_traced(x) -> bool:
+def is_traced(x) -> bool:
+  """Whether `x` is a tracer (under jit / grad): its values cannot be checked in Python."""
   return isinstance(x, jax.core.Tracer)
 
 
@@ -68,7 +69,7 @@ def validate_attention_args(q, k, v, *, window, dilation, causal, attention_mask
     raise TypeError(f"causal={causal!r}: expected a bool")
   batch, seq, heads, _ = q.shape
   dilation = _normalise_dilation(dilation, heads)
-  concrete = not any(_is_traced(m) for m in (attention_mask, global_mask))
+  concrete = not any(is_traced(m) for m in (attention_mask, global_mask))
   raw_masks = (attention_mask, global_mask)
   attention_mask = _check_mask("attention_mask", attention_mask, batch, seq)
   if attention_mask is None:
