@@ -44,15 +44,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
@@ -64,6 +63,7 @@ from longformer_jax.data import tokenized
 from longformer_jax.io import atomic_write
 from longformer_jax.training import Stage, TrainConfig, Trainer
 from longformer_jax.training.mlm import MLMTask
+from common import compilation_cache  # experiments/common.py
 # pylint: enable=g-import-not-at-top,wrong-import-position
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,21 +82,18 @@ def short_config(args, vocab_size: int) -> LongformerConfig:
 
 
 def run_training(cfg: TrainConfig, task: MLMTask, params=None, log=None):
-  """`cfg`'s single stage with the project's Trainer (no checkpoints: the model is scored in
-  this process); returns (trained model, [loss per step])."""
+  """`cfg`'s single stage with the project's Trainer, in memory (`Trainer.fit`: no checkpoints;
+  the model is scored in this process); returns (trained model, [loss per step])."""
   trainer = Trainer(cfg, task=task)
-  state = trainer.init_state(params)
-  stage = cfg.stages[0]
-  batches = task.batches(cfg, 0, process_index=0, process_count=1)
-  step_fn = trainer.train_step(0)
+  steps = cfg.stages[0].steps
   losses = []
-  for step in range(stage.steps):
-    state, metrics = step_fn(state, trainer.global_batch(next(batches), stage.batch_size))
-    losses.append(float(metrics["loss"]))
-    if log is not None and (step + 1) % max(stage.steps // 4, 1) == 0:
-      log(f"    step {step + 1}/{stage.steps}: loss {np.mean(losses[-20:]):.3f}")
-  if not all(math.isfinite(x) for x in losses):
-    raise RuntimeError(f"training diverged: losses {losses[-5:]}")
+
+  def report(step, loss):
+    losses.append(loss)
+    if log is not None and step % max(steps // 4, 1) == 0:
+      log(f"    step {step}/{steps}: loss {np.mean(losses[-20:]):.3f}")
+
+  state, losses = trainer.fit(trainer.init_state(params), on_step=report)
   return trainer.model(state.params), losses
 
 
@@ -273,11 +270,7 @@ def main(argv=None) -> int:
     return 0
   window = args.window or args.short_len // 2
   start = time.perf_counter()
-  # Every arm and seed compiles the same programs: XLA's cache serves the repeats.
-  cache = tempfile.TemporaryDirectory(prefix="position_copy_xla_")
-  jax.config.update("jax_compilation_cache_dir", cache.name)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  compilation_cache("position_copy_xla_")  # every arm and seed compiles the same programs
   log = lambda text: print(f"[{time.perf_counter() - start:6.0f}s] {text}", flush=True)
 
   log(f"training a {args.vocab}-id byte-level BPE on {DATASET} (train split)")

@@ -22,8 +22,8 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.layers import LOGICAL_AXES
 from longformer_jax.modeling import LongformerForMaskedLM
-from longformer_jax.training import (LOGICAL_RULES, NonFiniteLossError, Stage, Task,
-                                     TrainConfig, Trainer, batch_sharding, make_mesh,
+from longformer_jax.training import (LOGICAL_RULES, CharLMTask, NonFiniteLossError, Stage,
+                                     Task, TrainConfig, Trainer, batch_sharding, make_mesh,
                                      paper_stages, read_run_config, train, write_run_config)
 from longformer_jax.training.sharding import seq_axis
 
@@ -351,3 +351,21 @@ def test_another_task_reuses_the_loop_and_resumes_exactly(tmp_path):
   _, losses_b = _run(cfg, tmp_path / "b", None, task=_MaskedLMTask())
   assert {**losses, **losses_b} == losses_full  # bit-identical, dropout included
   assert read_run_config(tmp_path / "b").model == model
+
+
+def test_fit_trains_in_memory_as_train_does(tmp_path):
+  """`Trainer.fit` (no workdir) takes the same steps as `train` on the same batches: equal losses
+  for the first stage; a non-finite loss stops it, naming the step."""
+  cfg = _config(stages=_config().stages[:1])
+  data = _bytes()
+  _, losses_train = _run(cfg, tmp_path / "run", data)
+  trainer = Trainer(cfg, task=CharLMTask(data))
+  seen = []
+  state, losses = trainer.fit(trainer.init_state(), on_step=lambda s, x: seen.append((s, x)))
+  assert losses == [losses_train[s] for s in sorted(losses_train)]
+  assert seen == list(enumerate(losses, start=1)) and int(state.step) == 3
+  diverging = dataclasses.replace(cfg, stages=(dataclasses.replace(cfg.stages[0],
+                                                                   learning_rate=1e30),))
+  trainer = Trainer(diverging, task=CharLMTask(data))
+  with pytest.raises(NonFiniteLossError, match=r"at step \d of fit\(\)"):
+    trainer.fit(trainer.init_state())

@@ -290,6 +290,30 @@ class Trainer:
     return self._jitted(stage_index, shapes).lower(self.abstract_state(), abstract_batch,
                                                         abstract_rest)
 
+  def fit(self, state: TrainState, stage_index: int = 0, *, steps: int | None = None,
+          on_step: Callable[[int, float], None] | None = None) -> tuple[TrainState, list[float]]:
+    """Trains a stage in memory from `state`: `steps` steps (default: the stage's) of the task's
+    batches for this process, with no workdir, checkpoint or metrics file (studies, tests,
+    notebooks; `train` is the resumable, checkpointed run). `on_step(step, loss)` is called
+    after every step (1-based). Returns (state, the loss of every step).
+
+    Raises NonFiniteLossError at the first loss that is not finite.
+    """
+    stage = self.cfg.stages[stage_index]
+    batches = self.task.batches(self.cfg, stage_index, process_index=jax.process_index(),
+                                process_count=jax.process_count())
+    step_fn = self.train_step(stage_index)
+    losses = []
+    for step in range(1, (stage.steps if steps is None else steps) + 1):
+      state, metrics = step_fn(state, self.global_batch(next(batches), stage.batch_size))
+      losses.append(float(metrics["loss"]))
+      if not math.isfinite(losses[-1]):
+        raise NonFiniteLossError(f"stage {stage_index}: loss {losses[-1]} at step {step} of "
+                                 f"fit() (nothing is saved by fit). {_RETRY}")
+      if on_step is not None:
+        on_step(step, losses[-1])
+    return state, losses
+
   def global_batch(self, local: Mapping[str, np.ndarray], global_batch_size: int
                    ) -> dict[str, jax.Array]:
     """This process's rows of every batch array -> the global arrays, split over the mesh.
