@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import math
 import os
@@ -389,7 +388,7 @@ def plot(study: dict, path: Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from longformer_jax.io import atomic_write
+  from longformer_jax.io import save_figure
   # pylint: enable=g-import-not-at-top
   arms, curves = study["arms"], study["curves"]
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -427,10 +426,7 @@ def plot(study: dict, path: Path) -> None:
                f"{setup['hidden']}, {setup['steps']} steps of {setup['batch']} x "
                f"{setup['seq_len']} bytes, {len(setup['seeds'])} seeds", fontsize=11)
   fig.tight_layout()
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format="png", dpi=110)
-  plt.close(fig)
-  atomic_write(path, buffer.getvalue())
+  save_figure(fig, path, dpi=110)
 
 
 def replot(args: argparse.Namespace, claims: Sequence[tuple[str, str]]) -> int:

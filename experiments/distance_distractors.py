@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import io
 import json
 import math
 import os
@@ -80,7 +79,7 @@ import optax
 from flax import nnx
 
 from longformer_jax import LongformerConfig
-from longformer_jax.io import atomic_write
+from longformer_jax.io import atomic_write, save_figure
 from longformer_jax.modeling import LongformerForTokenClassification
 from longformer_jax.training import Stage, Task, TrainConfig, Trainer
 # pylint: enable=g-import-not-at-top,wrong-import-position
@@ -658,10 +657,7 @@ def plot(study: dict, path: Path) -> None:
   axes[2].set_title(f"time, arms interleaved ({setup['platform']}, {setup['cost_batch']} rows)",
                     fontsize=10)
   fig.tight_layout()
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format="png", dpi=110)
-  plt.close(fig)
-  atomic_write(path, buffer.getvalue())
+  save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------------------------

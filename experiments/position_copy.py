@@ -60,7 +60,7 @@ from flax import nnx
 
 from longformer_jax import LongformerConfig, convert
 from longformer_jax.data import tokenized
-from longformer_jax.io import atomic_write
+from longformer_jax.io import atomic_write, save_figure
 from longformer_jax.training import Stage, TrainConfig, Trainer
 from longformer_jax.training.mlm import MLMTask
 from common import compilation_cache  # experiments/common.py
@@ -154,7 +154,6 @@ def summarize(seeds, results: list[dict]) -> dict:
 def plot(study: dict, path: Path) -> None:
   """Two panels (before / after the continued training): each seed's pair of long models (copied,
   random) joined by a line, the means with their standard deviations, and the short model."""
-  import io  # pylint: disable=g-import-not-at-top
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -182,10 +181,7 @@ def plot(study: dict, path: Path) -> None:
                f"mean ± sd)",
                fontsize=11)
   fig.tight_layout()
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format="png", dpi=120)
-  plt.close(fig)
-  atomic_write(path, buffer.getvalue())
+  save_figure(fig, path, dpi=120)
 
 
 # Sizes per device (`--device`); any of them can still be set by its own flag. The GPU size is

@@ -3,12 +3,11 @@ curves plot."""
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from longformer_jax.io import atomic_write
+from longformer_jax.io import atomic_write, save_figure
 
 
 class MetricsLog:
@@ -75,7 +74,4 @@ def plot_curves(metrics_path: Path, png_path: Path, keys: Sequence[str] = ("trai
   ax.grid(alpha=0.3)
   ax.legend()
   fig.tight_layout()
-  buffer = io.BytesIO()
-  fig.savefig(buffer, format="png", dpi=120)
-  plt.close(fig)
-  atomic_write(png_path, buffer.getvalue())
+  save_figure(fig, png_path, dpi=120)
