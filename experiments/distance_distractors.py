@@ -97,7 +97,7 @@ PRESETS = {
                 keys=32, values=8, fillers=32, steps=1500, batch=16, lr=2e-3,
                 distances=(1, 2, 4, 6, 8, 10, 12, 14, 16, 20, 24, 32, 64, 127),
                 distractors=(0, 4, 16), eval_rows=128,
-                cost_lengths=(256, 512, 1024, 2048), cost_batch=2, cost_reps=7,
+                cost_lengths=(256, 512, 1024, 2048), cost_batch=2, cost_reps=11,
                 cost_band_full=True),
     "gpu": dict(seq_len=1024, window=32, layers=2, hidden=128, heads=4, intermediate=512,
                 keys=64, values=16, fillers=64, steps=4000, batch=64, lr=1e-3,
