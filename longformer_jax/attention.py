@@ -40,11 +40,15 @@ class LongformerSelfAttention(nnx.Module):
       when `causal`: a baseline that ignores window and dilation).
     kernel_init: initialiser of the q/k/v (and global) projections; output_init: of `output`
       (default: kernel_init).
-    mesh: the device mesh the activations are laid out on (None: one device, or whatever XLA
-      makes of it). Given one, the band op runs per shard inside `shard_map` (Pallas kernels
-      cannot be partitioned by XLA), its batch split over every mesh axis but seq_axis.
+    mesh: the device mesh the activations are laid out on. Given one, the band op runs per
+      shard inside `shard_map` (Pallas kernels cannot be partitioned by XLA), its batch split
+      over every mesh axis but seq_axis. None: the caller's mesh decides (the op runs per shard
+      on Explicit axes, on the caller's shards inside its shard_map, and leaves Auto axes to
+      XLA; `ops.longformer_attention`).
     seq_axis: the mesh axis that splits sequences (sequence-parallel band attention with halo
-      exchange, `ops.longformer_attention`); None: whole sequences on every device.
+      exchange, `ops.longformer_attention`): an axis of `mesh`, or with mesh=None an Explicit
+      axis of the current mesh or the caller's shard_map axis; None: whole sequences on every
+      device.
     The mesh is not a parameter or config: it is part of the module's static structure (its
     graphdef), so a model built for one mesh runs on that mesh. `attention="full"` ignores mesh
     and seq_axis: `jax.nn.dot_product_attention` is plain XLA, which GSPMD partitions by itself
@@ -73,8 +77,8 @@ class LongformerSelfAttention(nnx.Module):
     self.impl = impl
     self.rope_base = rope_base
     self.attention = attention
-    if seq_axis is not None and mesh is None:
-      raise ValueError(f"seq_axis={seq_axis!r} names a mesh axis, but mesh=None")
+    if seq_axis is not None and not isinstance(seq_axis, str):
+      raise TypeError(f"seq_axis={seq_axis!r}: expected one mesh axis name")
     self.mesh = mesh
     self.seq_axis = seq_axis
     init = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)

@@ -151,7 +151,8 @@ class LongformerForCausalLM(nnx.Module):
   def generate(self, prompt, max_new_tokens: int, *, temperature: float = 1.0,
                top_k: int | None = None, top_p: float | None = None, seed: int = 0,
                windows: Sequence[int] | None = None, return_logits: bool = False):
-    """`max_new_tokens` tokens sampled after `prompt` (ints [B, P] or [P], P >= 1, any length).
+    """`max_new_tokens` tokens sampled after `prompt` (ints [B, P] or [P], P >= 1, any length;
+    it may be traced: `jax.jit` or `jax.export` over the prompt compile one program per shape).
 
     temperature 0 is greedy; top_k / top_p restrict sampling to the k most likely tokens / the
     nucleus of probability top_p (`generation.SamplingConfig`); seed: the PRNG seed (the same

@@ -34,12 +34,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import hashlib
 import importlib
 import json
 import logging
 import os
 import sys
+import threading
+import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -47,11 +50,33 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
 from longformer_jax.io import atomic_write
+
+
+@contextlib.contextmanager
+def _root_logging_kept():
+  """Undoes what absl does to an unconfigured program: its first log call (Orbax logs through
+  absl, at import and on every save) runs `logging.basicConfig()`, adding a stderr handler to
+  the root logger of the caller's whole program. Removed again here, when the root logger had
+  no handler before; a program that configured logging itself is never touched."""
+  root = logging.getLogger()
+  unconfigured = not root.handlers
+  try:
+    yield
+  finally:
+    if unconfigured:
+      for handler in list(root.handlers):
+        if (type(handler) is logging.StreamHandler and handler.stream is sys.stderr
+            and handler.formatter is not None
+            and handler.formatter._fmt == logging.BASIC_FORMAT):  # pylint: disable=protected-access
+          root.removeHandler(handler)
+
+
+with _root_logging_kept():
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _FORMAT_VERSION = 2
 _PACKAGE = "longformer_jax"
@@ -203,10 +228,14 @@ def _unseal(record: Any, what: str) -> dict[str, Any]:
 # Orbax has already closed, and coroutines whose errors nobody awaits: Python prints a traceback
 # for each (hundreds of lines saying "Event loop is closed"), and Orbax logs the failure with its
 # traceback from each thread it passes through. None of it says more than the error this module
-# raises itself (one line: `describe_error` of the same exception). So from the first use of
-# this module on, those unraisable errors and Orbax's ERROR log records are dropped; everything
-# else still reaches the previous hooks and handlers.
-_quiet = False
+# raises itself (one line: `describe_error` of the same exception). So while one of this module's
+# reads or writes runs (a `TrainCheckpoints` from creation to `close()`), those unraisable errors
+# and Orbax's ERROR log records are dropped; everything else reaches the previous hooks and
+# handlers, and the hook and filters are removed again when the last such scope ends: the
+# caller's program keeps its own `sys.unraisablehook`, loggers and warning filters.
+_quiet_lock = threading.Lock()
+_quiet_depth = 0
+_quiet_installed: tuple[Callable, Callable, logging.Filter, Any] | None = None
 
 
 def _raised_in_orbax(error: BaseException | None) -> bool:
@@ -240,40 +269,81 @@ class _DropOrbaxErrors(logging.Filter):
     return True
 
 
-def _silence_orphaned_errors() -> None:
-  global _quiet
-  if _quiet:
-    return
-  _quiet = True
-  previous = sys.unraisablehook
-
-  def hook(unraisable):
-    if not _is_orphaned_error(unraisable.exc_value, unraisable.object):
-      previous(unraisable)
-
-  sys.unraisablehook = hook
-  for name in ("absl", "asyncio"):
-    logging.getLogger(name).addFilter(_DropOrbaxErrors())
+_QUIET_LOGGERS = ("absl", "asyncio")
 
 
-def _after_failure() -> None:
-  # The coroutines a failed read or write abandoned are collected later with a "was never
-  # awaited" RuntimeWarning each; they are part of the failure already reported.
-  warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
-                          category=RuntimeWarning)
+def _enter_quiet() -> None:
+  global _quiet_depth, _quiet_installed
+  with _quiet_lock:
+    _quiet_depth += 1
+    if _quiet_depth > 1:
+      return
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+      if not _is_orphaned_error(unraisable.exc_value, unraisable.object):
+        previous(unraisable)
+
+    dropper = _DropOrbaxErrors()
+    sys.unraisablehook = hook
+    for name in _QUIET_LOGGERS:
+      logging.getLogger(name).addFilter(dropper)
+    root_logging = _root_logging_kept()
+    root_logging.__enter__()  # pylint: disable=unnecessary-dunder-call
+    _quiet_installed = (previous, hook, dropper, root_logging)
+
+
+def _exit_quiet() -> None:
+  global _quiet_depth, _quiet_installed
+  with _quiet_lock:
+    _quiet_depth -= 1
+    if _quiet_depth > 0 or _quiet_installed is None:
+      return
+    previous, hook, dropper, root_logging = _quiet_installed
+    _quiet_installed = None
+    if sys.unraisablehook is hook:  # a hook installed after ours stays (ours forwarded to it)
+      sys.unraisablehook = previous
+    for name in _QUIET_LOGGERS:
+      logging.getLogger(name).removeFilter(dropper)
+    root_logging.__exit__(None, None, None)
+
+
+@contextlib.contextmanager
+def _orbax_quiet():
+  """The scope of one read or write (see the comment above)."""
+  _enter_quiet()
+  try:
+    yield
+  finally:
+    _exit_quiet()
+
+
+def _after_failure(error: BaseException) -> None:
+  """Collects, while still quiet, what a failed Orbax read or write abandoned.
+
+  The frames of `error`'s traceback hold the abandoned coroutines and futures: their locals are
+  cleared (file names and line numbers stay) so that collecting them now drops their
+  "Event loop is closed" errors and "was never awaited" warnings here, not at some later point
+  in the caller's program.
+  """
+  traceback.clear_frames(error.__traceback__)
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
+                            category=RuntimeWarning)
+    gc.collect()
 
 
 def _read(what: str, fn: Callable[[], Any]) -> Any:
   """fn(), with any failure turned into a one-line DamagedCheckpointError."""
-  _silence_orphaned_errors()
-  try:
-    return fn()
-  except DamagedCheckpointError:
-    raise
-  except Exception as e:  # pylint: disable=broad-exception-caught
-    # Whatever Orbax, TensorStore or the file system raise for a broken file.
-    _after_failure()
-    raise DamagedCheckpointError(f"{what}: {describe_error(e)}") from e
+  with _orbax_quiet():
+    try:
+      return fn()
+    except DamagedCheckpointError:
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      # Whatever Orbax, TensorStore or the file system raise for a broken file.
+      _after_failure(e)
+      raise DamagedCheckpointError(f"{what}: {describe_error(e)}") from e
 
 
 # ----------------------------------------------------------------------------------------------
@@ -328,9 +398,10 @@ def save_model(path: str | os.PathLike, model: nnx.Module, *, force: bool = Fals
   meta_json = json.dumps(meta, indent=2)  # fail on non-JSON fields before writing anything
   if path.exists() and not force:
     raise FileExistsError(f"{path} exists; pass force=True to replace it")
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(path / "params", params, force=force)
-  checkpointer.wait_until_finished()
+  with _orbax_quiet():
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path / "params", params, force=force)
+    checkpointer.wait_until_finished()
   # model.json is written last: a directory that has it holds a complete checkpoint.
   atomic_write(path / MODEL_JSON, meta_json)
 
@@ -553,7 +624,6 @@ class TrainCheckpoints:
 
   def __init__(self, directory: str | os.PathLike, *, keep: int | None = None,
                async_save: bool = False, protect: Sequence[int] = ()):
-    _silence_orphaned_errors()
     self.directory = _orbax_path(directory)
     self.protect = frozenset(protect)
     leftovers = incomplete_saves(self.directory)
@@ -563,8 +633,19 @@ class TrainCheckpoints:
     options = ocp.CheckpointManagerOptions(
         create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
         preservation_policy=_KeepLatest(keep, self.protect))
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    _enter_quiet()  # until close(): background saves fail on Orbax's threads
+    self._quiet = True
+    try:
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
+    except BaseException:
+      self._leave_quiet()
+      raise
     self._pending = None  # the step of a save that may still be running
+
+  def _leave_quiet(self) -> None:
+    if self._quiet:
+      self._quiet = False
+      _exit_quiet()
 
   def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> bool:
     """Saves `step`; False (and nothing written) if it is a protected (damaged) step."""
@@ -581,7 +662,7 @@ class TrainCheckpoints:
           params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
           meta=ocp.args.JsonSave(meta)), force=True)
     except Exception as e:  # pylint: disable=broad-exception-caught
-      _after_failure()
+      _after_failure(e)
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
     self._pending = step
@@ -602,16 +683,19 @@ class TrainCheckpoints:
       self._manager.wait_until_finished()
       self._manager.check_for_errors()
     except Exception as e:  # pylint: disable=broad-exception-caught
-      _after_failure()
+      _after_failure(e)
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
 
   def close(self) -> None:
     """Waits for a background save and releases Orbax's resources (errors: as `wait`)."""
     try:
-      self.wait()
-    except BaseException:
-      with contextlib.suppress(Exception):  # the failed save is the error to report
-        self._manager.close()
-      raise
-    self._manager.close()
+      try:
+        self.wait()
+      except BaseException:
+        with contextlib.suppress(Exception):  # the failed save is the error to report
+          self._manager.close()
+        raise
+      self._manager.close()
+    finally:
+      self._leave_quiet()

@@ -1,16 +1,21 @@
-"""Conversion between HF transformers PyTorch checkpoints and the models of this package.
+"""Conversion between HF transformers checkpoints and the models of this package.
 
-  from_hf(source)               HF Longformer or LED (model object or local directory) -> our
-                                NNX model
+  from_hf(source)               HF Longformer or LED (model object, local directory or HF Hub
+                                id) -> our NNX model; `Class.from_pretrained` runs it
   to_hf(model)                  our NNX model -> HF PyTorch model of the same class
+  hf_state_dict(model)          our NNX model -> its weights by HF name, in HF's shapes
+  config_to_hf_dict(config)     our config -> the `config.json` dict HF reads
   roberta_to_longformer(source) HF RoBERTa -> our Longformer, by the paper's recipe
                                 (docs/design.md §5.3)
   bart_to_led(source)           HF BART -> our LED, by the paper's recipe (paper §6)
 
-No network access: a directory must hold `config.json` and `model.safetensors` (or its sharded
-index) or `pytorch_model.bin`. Reading safetensors needs only the `safetensors` package; torch is
-needed for `.bin` files, model objects and `to_hf`. The HF total `attention_window` becomes the
-one-sided window here, and back (the only place where the two meet).
+A directory holds `config.json` and `model.safetensors` (or its sharded index) or
+`pytorch_model.bin`; `model.save_pretrained(directory)` writes the first two. Reading and writing
+safetensors needs only the `safetensors` package; torch is needed for `.bin` files, model objects
+and `to_hf`. A string that is not a local directory is an HF Hub id, fetched (safetensors files
+only, unless the repo has none and torch is installed) with `huggingface_hub.snapshot_download`
+into the HF cache, so `HF_HUB_CACHE` and `HF_HUB_OFFLINE` apply. The HF total `attention_window`
+becomes the one-sided window here, and back (the only place where the two meet).
 
 Each HF model type is a `_Family`: our classes, the prefix of the backbone in task models, the
 tied weights, the weight names and the config mapping. Everything else (reading, checking,
@@ -22,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import operator
 import os
 import re
 import warnings
@@ -81,6 +87,7 @@ class _Family:
   config_from_hf: Callable[..., Any]
   infer_architecture: Callable[[dict[str, np.ndarray]], str]
   zero_if_missing: tuple[str, ...] = ()  # buffers HF fills with zeros when a checkpoint lacks them
+  unsqueezed: tuple[str, ...] = ()  # weights HF stores with a leading axis of 1 ([1, V] for [V])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -187,10 +194,15 @@ def _to_ours(name: str, w: np.ndarray, shape: tuple[int, ...], is_kernel: bool) 
   return w.reshape(shape)
 
 
-def _to_hf(w: np.ndarray, hf_shape: tuple[int, ...], is_kernel: bool) -> np.ndarray:
-  if is_kernel:
-    return w.reshape(hf_shape[::-1]).T
-  return w.reshape(hf_shape)
+def _to_hf(w: np.ndarray, leaf: str, out_ndim: int) -> np.ndarray:
+  """The inverse of `_to_ours` for parameter `leaf` of a module: a kernel [in..., out...] with
+  `out_ndim` output dimensions becomes torch's [prod(out), prod(in)], a bias (per head [H, D])
+  torch's [prod(out)]; tables and LayerNorm scales keep their shapes."""
+  if leaf == "kernel":
+    return w.reshape(int(np.prod(w.shape[:w.ndim - out_ndim])), -1).T
+  if leaf == "bias":
+    return w.reshape(-1)
+  return w
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,15 +244,58 @@ def _read_dir(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   return config, weights
 
 
-def _read(source) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None]:
+# What an HF Hub id fetches: the config and the safetensors weights (one file, or shards and their
+# index); a repo without safetensors weights gets its pytorch_model.bin fetched, if torch is there.
+_HUB_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json"]
+_HUB_TORCH_FILES = ["config.json", "pytorch_model.bin"]
+
+
+def _hub_snapshot(repo_id: str, revision: str | None, cache_dir) -> str:
+  """The local directory of HF Hub model `repo_id` in the HF cache (fetched unless cached)."""
+  at = f" at revision {revision!r}" if revision else ""
+  try:
+    import huggingface_hub  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ImportError(f"{repo_id!r} is not a local directory; fetching it from the HF Hub needs "
+                      f"huggingface_hub (pip install huggingface_hub)") from e
+
+  def fetch(patterns: list[str]) -> str:
+    try:
+      return huggingface_hub.snapshot_download(repo_id, revision=revision, cache_dir=cache_dir,
+                                               allow_patterns=patterns)
+    except (OSError, ValueError) as e:
+      # Offline without a cached copy, no such repo or revision, no network, a malformed id:
+      # huggingface_hub's messages do not all name the repo.
+      raise FileNotFoundError(f"{repo_id!r} is not a local directory, and the HF Hub model "
+                              f"{repo_id!r}{at} could not be fetched: {type(e).__name__}: {e}"
+                              ) from e
+
+  path = fetch(_HUB_FILES)
+  if any(os.path.isfile(os.path.join(path, f))
+         for f in ("model.safetensors", "model.safetensors.index.json")):
+    return path
+  try:
+    import torch  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError as e:
+    raise FileNotFoundError(f"the HF Hub model {repo_id!r}{at} has no safetensors weights, and "
+                            f"reading a pytorch_model.bin needs torch") from e
+  return fetch(_HUB_TORCH_FILES)
+
+
+def _read(source, revision: str | None = None,
+          cache_dir=None) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None]:
   """(HF config dict, float32 weights by HF name, architecture name or None)."""
   if isinstance(source, (str, os.PathLike)):
-    config, weights = _read_dir(os.fspath(source))
+    path = os.fspath(source)
+    if isinstance(source, str) and not os.path.isdir(path):
+      path = _hub_snapshot(source, revision, cache_dir)
+    config, weights = _read_dir(path)
     archs = config.get("architectures") or [None]
     return config, weights, archs[0]
   if hasattr(source, "state_dict") and hasattr(source, "config"):
     return source.config.to_dict(), _torch_to_numpy(source.state_dict()), type(source).__name__
-  raise TypeError(f"expected an HF PyTorch model or a local directory, got {type(source)}")
+  raise TypeError(f"expected an HF PyTorch model, a local directory or an HF Hub id, got "
+                  f"{type(source)}")
 
 
 def _infer_longformer_architecture(weights: dict[str, np.ndarray]) -> str:
@@ -303,22 +358,43 @@ def config_from_hf(hf_config: dict[str, Any], **changes) -> LongformerConfig | L
   return family.config_from_hf(hf_config, **changes)
 
 
-def config_to_hf(config: LongformerConfig | LEDConfig, architecture: str | None = None):
-  """An HF `transformers.LongformerConfig` or `LEDConfig` (total windows) for our config."""
-  import transformers  # pylint: disable=import-outside-toplevel
-  archs = [architecture] if architecture else None
-  totals = [2 * w for w in config.layer_windows]
+def config_to_hf_dict(config: LongformerConfig | LEDConfig,
+                      architecture: str | None = None) -> dict[str, Any]:
+  """The `config.json` of the HF LongformerConfig or LEDConfig for our config (total windows,
+  `architectures` when given), as HF's `save_pretrained` writes it. Needs no transformers.
+
+  Raises ValueError for what HF Longformer cannot express (causal mode, dilation).
+  """
   if isinstance(config, LEDConfig):
-    fields = {k: getattr(config, k) for k in _HF_LED_DEFAULTS if k != "attention_window"}
-    return transformers.LEDConfig(**fields, attention_window=totals, architectures=archs)
-  if config.causal:
-    raise ValueError("HF Longformer has no causal mode; this config has causal=True")
-  if any(d != 1 for heads in config.layer_dilations for d in heads):
-    raise ValueError(f"HF Longformer has no dilation; attention_dilation="
-                     f"{config.attention_dilation!r}")
-  fields = {k: getattr(config, k) for k in _HF_DEFAULTS if k != "attention_window"}
-  return transformers.LongformerConfig(**fields, attention_window=totals,
-                                       num_labels=config.num_labels, architectures=archs)
+    fields = {k: getattr(config, k) for k in _HF_LED_DEFAULTS}
+    fields.update(model_type="led", is_encoder_decoder=True)
+  else:
+    if config.causal:
+      raise ValueError("HF Longformer has no causal mode; this config has causal=True")
+    if any(d != 1 for heads in config.layer_dilations for d in heads):
+      raise ValueError(f"HF Longformer has no dilation; attention_dilation="
+                       f"{config.attention_dilation!r}")
+    fields = {k: getattr(config, k) for k in _HF_DEFAULTS}
+    # HF stores the number of classes as the label names (its defaults: LABEL_i).
+    labels = [f"LABEL_{i}" for i in range(config.num_labels)]
+    fields.update(model_type="longformer", id2label=dict(enumerate(labels)),
+                  label2id={label: i for i, label in enumerate(labels)})
+  # The weights are written in float32; `torch_dtype` is read by every transformers version
+  # (newer ones write `dtype` and read both).
+  fields.update(attention_window=[2 * w for w in config.layer_windows], tie_word_embeddings=True,
+                torch_dtype="float32")
+  if architecture:
+    fields["architectures"] = [architecture]
+  return json.loads(json.dumps(fields, sort_keys=True))  # JSON's types: string id2label keys
+
+
+def config_to_hf(config: LongformerConfig | LEDConfig, architecture: str | None = None):
+  """An HF `transformers.LongformerConfig` or `LEDConfig`: `config_to_hf_dict` read as HF reads a
+  config.json. Raises as `config_to_hf_dict` does."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  hf_class = transformers.LEDConfig if isinstance(config, LEDConfig) else (
+      transformers.LongformerConfig)
+  return hf_class.from_dict(config_to_hf_dict(config, architecture))
 
 
 _FAMILIES = {
@@ -336,7 +412,8 @@ _FAMILIES = {
               "led.decoder.embed_tokens.weight": "led.shared.weight",
               "lm_head.weight": "led.shared.weight"},
         param_names=_led_param_names, config_from_hf=_led_config_from_hf,
-        infer_architecture=_infer_led_architecture, zero_if_missing=("final_logits_bias",)),
+        infer_architecture=_infer_led_architecture, zero_if_missing=("final_logits_bias",),
+        unsqueezed=("final_logits_bias",)),
 }
 _ALL_CLASSES = sorted(name for family in _FAMILIES.values() for name in family.classes)
 
@@ -345,7 +422,7 @@ def _family_of(model: nnx.Module) -> _Family:
   for family in _FAMILIES.values():
     if family.classes.get(type(model).__name__) is type(model):
       return family
-  raise TypeError(f"to_hf converts {_ALL_CLASSES}; got {type(model)}")
+  raise TypeError(f"HF checkpoints exist for {_ALL_CLASSES}; got {type(model)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -430,25 +507,30 @@ def _build(family: _Family, model_class: type, config, weights: dict[str, np.nda
   return model
 
 
-def from_hf(source, *, model_class: type | None = None, rngs: nnx.Rngs | None = None,
+def from_hf(source, *, model_class: type | None = None, revision: str | None = None,
+            cache_dir: str | os.PathLike | None = None, rngs: nnx.Rngs | None = None,
             **config_changes) -> nnx.Module:
-  """Our NNX model with the weights and config of an HF PyTorch Longformer or LED.
+  """Our NNX model with the weights and config of an HF Longformer or LED checkpoint.
 
   Args:
-    source: an HF `Longformer*` or `LED*` model object, or a local directory with `config.json`
-      and `model.safetensors` / `pytorch_model.bin`.
+    source: an HF `Longformer*` or `LED*` model object, a local directory with `config.json`
+      and `model.safetensors` / `pytorch_model.bin`, or an HF Hub id (any other string, e.g.
+      "allenai/longformer-base-4096"), fetched into the HF cache unless it is there already.
     model_class: one of our model classes of the same family; default the checkpoint's own.
       With another task (e.g. `LongformerForSequenceClassification` from
       allenai/longformer-base-4096, a masked LM), the backbone is loaded, the new head is
       initialised from `rngs`, the old head is dropped, and a warning names both.
+    revision: of a Hub id: a branch, tag or commit hash; default "main".
+    cache_dir: of a Hub id: the HF cache to use; default HF's (`HF_HUB_CACHE`).
     rngs: initialises parts the checkpoint lacks and the dropout streams; default nnx.Rngs(0).
     **config_changes: fields of `LongformerConfig` / `LEDConfig` to set, e.g. `attention_impl`,
       `dtype`, `remat`, `num_labels` for a new head.
 
   Raises ValueError on a model type other than "longformer" or "led", an unknown architecture,
-  or missing/unexpected weights (named).
+  or missing/unexpected weights (named); FileNotFoundError, naming it, for a Hub id that cannot
+  be fetched (with `HF_HUB_OFFLINE=1`: one that is not in the cache).
   """
-  hf_config, weights, arch = _read(source)
+  hf_config, weights, arch = _read(source, revision, cache_dir)
   model_type = hf_config.get("model_type")
   if model_type not in _FAMILIES:
     hint = {"roberta": "; use roberta_to_longformer", "bart": "; use bart_to_led"}.get(
@@ -474,6 +556,24 @@ def _from_weights(family: _Family, hf_config: dict[str, Any], weights: dict[str,
   return _build(family, target, config, weights, same_task=target.__name__ == arch, rngs=rngs)
 
 
+def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
+  """`model`'s weights by HF name, float32, in HF's shapes: what HF's `save_pretrained` writes
+  for the same class (tied copies left out, LED's `final_logits_bias` included).
+
+  Raises TypeError for a class HF has no counterpart of.
+  """
+  family = _family_of(model)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  state = {}
+  for hf_name, path in family.param_names(model).items():
+    parent = functools.reduce(operator.getitem, path[:-1], params)
+    # Every kernel is an nnx.LinearGeneral's, [in..., out...], next to its bias [out...].
+    out_ndim = parent["bias"].ndim if path[-1] == "kernel" else 0
+    w = _to_hf(np.asarray(parent[path[-1]], np.float32), path[-1], out_ndim)
+    state[hf_name] = np.ascontiguousarray(w[None] if hf_name in family.unsqueezed else w)
+  return state
+
+
 def to_hf(model: nnx.Module):
   """The HF PyTorch model (same class name, eval mode) computing what `model` computes.
 
@@ -487,17 +587,11 @@ def to_hf(model: nnx.Module):
   hf_config = config_to_hf(model.config, architecture=name)
   # LongformerModel's init_kwargs is HF's {"add_pooling_layer": ...}; the others have none.
   hf_model = getattr(transformers, name)(hf_config, **getattr(model, "init_kwargs", {}))
-  hf_shapes = {k: tuple(v.shape) for k, v in hf_model.state_dict().items()}
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  state_dict = {}
-  for hf_name, path in family.param_names(model).items():
-    value = params
-    for key in path:
-      value = value[key]
-    w = _to_hf(np.asarray(value, np.float32), hf_shapes[hf_name], path[-1] == "kernel")
-    state_dict[hf_name] = torch.from_numpy(np.array(w))  # a writable, contiguous copy
+  hf_names = hf_model.state_dict().keys()
+  # torch.from_numpy needs writable arrays: copies.
+  state_dict = {k: torch.from_numpy(np.array(v)) for k, v in hf_state_dict(model).items()}
   for copy, source in _tied(family, type(model)).items():
-    if copy in hf_shapes:
+    if copy in hf_names:
       state_dict[copy] = state_dict[source]
   hf_model.load_state_dict(state_dict, strict=True)
   return hf_model.eval()

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from longformer_jax.layers import rotary
+from longformer_jax.ops.validation import is_traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,17 +209,21 @@ def generate(model, prompt, max_new_tokens: int, *, sampling: SamplingConfig = S
   all in one jitted call (compiled once per model structure, prompt shape, length and sampling
   settings). Token n is drawn with `fold_in(key(seed), n)`: a seed gives the same text whatever
   `max_new_tokens` is (a shorter run is a prefix of a longer one).
+  The prompt may be traced (under `jit` or `jax.export`: its shape is static, so one program
+  serves every prompt of that shape); its token values are then not range-checked.
   Returns int32 [B, max_new_tokens] ([max_new_tokens] for a 1-D prompt), and with return_logits
   also the float32 logits [B, max_new_tokens, V] each token was drawn from.
   """
-  prompt = np.asarray(prompt)
+  traced = is_traced(prompt)
+  if not traced:
+    prompt = np.asarray(prompt)  # a list, a host or a device array: checked on the host
   if prompt.ndim not in (1, 2) or not np.issubdtype(prompt.dtype, np.integer):
     raise ValueError(f"prompt must be ints of shape [P] or [B, P], got {prompt.dtype} "
                      f"{prompt.shape}")
   if prompt.shape[-1] < 1:
     raise ValueError("the prompt must hold at least one token: the model has no start token")
   vocab = model.config.vocab_size
-  if prompt.min() < 0 or prompt.max() >= vocab:
+  if not traced and (prompt.min() < 0 or prompt.max() >= vocab):
     raise ValueError(f"prompt tokens must be in [0, {vocab}), got values in "
                      f"[{prompt.min()}, {prompt.max()}]")
   if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:

@@ -12,6 +12,14 @@ replicated):
   mlp     F   the MLP's inner width
   norm    E   LayerNorm scales and biases (kept apart from `embed`: tiny, usually replicated)
 
+On a mesh with Explicit axes (`jax.make_mesh`'s default) every op's output sharding is part of
+its type, and JAX asks for it where it is ambiguous (a gather from a sharded table, a contraction
+over a sharded dimension). `Dense` and `Embed` give it: activations keep the batch (and sequence)
+sharding of their input, a projection's heads / mlp / vocab outputs keep its kernel's sharding of
+those dimensions, and the residual stream's `embed` dimension stays whole (weights sharded over
+`embed`, as with FSDP, are gathered for the product). On Auto meshes and without a mesh they are
+flax's `LinearGeneral` and `Embed`, unchanged.
+
 Shape letters follow `longformer_jax.ops` (docs/design.md §4).
 """
 
@@ -23,6 +31,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv", "mlp", "norm")
 
@@ -59,9 +68,120 @@ def logical_axes(*names: str | None) -> dict:
   return {"out_sharding": names, "eager_sharding": nnx.using_eager_sharding() and mesh_set}
 
 
+# ---------------------------------------------------------------------------------------------
+# Explicit sharding: output shardings where JAX cannot infer them.
+
+
+def explicit_mesh(*arrays) -> jax.sharding.AbstractMesh | None:
+  """The mesh with Explicit axes that one of `arrays` is typed on (inside jit too), or None
+  (no mesh, or only Auto axes: then XLA chooses every layout and nothing needs naming)."""
+  for x in arrays:
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if (mesh is not None and not mesh.empty
+        and any(t == AxisType.Explicit for t in mesh.axis_types)):
+      return mesh
+  return None
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+  if entry is None:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _spec_entry(axes: Sequence[str]):
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def spec_of(x) -> tuple:
+  """x's PartitionSpec, one entry per dimension."""
+  spec = tuple(jax.typeof(x).sharding.spec)
+  return spec + (None,) * (jnp.ndim(x) - len(spec))
+
+
+def contraction_sharding(mesh, kept_spec: Sequence, feature_spec: Sequence) -> NamedSharding:
+  """The sharding of a product whose leading dimensions are an input's (`kept_spec`: its batch,
+  sequence, ... entries) and whose trailing ones are a weight's features (`feature_spec`): the
+  features keep the weight's mesh axes, less those the leading dimensions already use (a mesh
+  axis shards one dimension at most), so a product over a sharded contraction is summed across
+  devices into this layout."""
+  used = {a for entry in kept_spec for a in _axes_of(entry)}
+  features = [_spec_entry([a for a in _axes_of(entry) if a not in used])
+              for entry in feature_spec]
+  return NamedSharding(mesh, P(*kept_spec, *features))
+
+
+class Dense(nnx.LinearGeneral):
+  """`nnx.LinearGeneral` contracting the input's last dimensions, which on an Explicit mesh names
+  its output sharding (`contraction_sharding`); output dimensions named `embed` (the residual
+  stream) come out whole."""
+
+  def __init__(self, *args, feature_axes: tuple[str | None, ...], **kwargs):
+    super().__init__(*args, **kwargs)
+    self.feature_axes = feature_axes
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    kernel = self.kernel[...]
+    mesh = explicit_mesh(inputs, kernel)
+    if mesh is None:
+      return super().__call__(inputs)
+    bias = self.bias[...] if self.bias is not None else None
+    inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+    n_in, n_out = len(self.in_features), len(self.out_features)
+    features = [None if name == "embed" else entry
+                for name, entry in zip(self.feature_axes, spec_of(kernel)[n_in:])]
+    out_sharding = contraction_sharding(mesh, spec_of(inputs)[:-n_in], features)
+    contract = (tuple(range(inputs.ndim - n_in, inputs.ndim)), tuple(range(n_in)))
+    out = jax.lax.dot_general(inputs, kernel, (contract, ((), ())), precision=self.precision,
+                              out_sharding=out_sharding)
+    if bias is not None:
+      bias = jax.sharding.reshard(bias, NamedSharding(mesh, P(*out_sharding.spec[-n_out:])))
+      out = out + bias
+    return out
+
+
+class Embed(nnx.Embed):
+  """`nnx.Embed` whose lookup and `attend` name their output sharding on an Explicit mesh: the
+  ids' sharding with the feature dimension whole, and the query's with the vocabulary sharded
+  as the table's rows."""
+
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    table = self.embedding[...]
+    mesh = explicit_mesh(inputs, table)
+    if mesh is None:
+      return super().__call__(inputs)
+    if not jnp.issubdtype(inputs.dtype, jnp.integer):
+      raise ValueError(f"Embed takes integer ids, got dtype {inputs.dtype}")
+    (table,) = self.promote_dtype((table,), dtype=self.dtype, inexact=False)
+    # A gather from a table sharded over rows (vocab) or features (embed) has no unique output
+    # layout: the rows come out with the ids' sharding and whole features. mode="fill" as
+    # `jnp.take`, which the unsharded path uses.
+    out_sharding = NamedSharding(mesh, P(*spec_of(inputs), None))
+    return table.at[inputs].get(mode="fill", out_sharding=out_sharding)
+
+  def attend(self, query: jax.Array) -> jax.Array:
+    return attend(query, self.embedding[...], self.dtype)
+
+
+def attend(query: jax.Array, table_VxE: jax.Array, dtype=None) -> jax.Array:
+  """`query @ table.T` in `dtype` (as `nnx.Embed.attend`): a tied output layer. On an Explicit
+  mesh the vocabulary comes out sharded as the table's rows."""
+  query, table_VxE = nnx.nn.dtypes.promote_dtype((query, table_VxE), dtype=dtype)
+  mesh = explicit_mesh(query, table_VxE)
+  if mesh is None:
+    return jnp.dot(query, table_VxE.T)
+  return jnp.dot(query, table_VxE.T, out_sharding=table_logits_sharding(mesh, query, table_VxE))
+
+
+def table_logits_sharding(mesh, query: jax.Array, table_VxE: jax.Array) -> NamedSharding:
+  """The sharding of `query @ table.T` on an Explicit mesh: the query's leading dimensions, the
+  vocabulary as the table's rows."""
+  return contraction_sharding(mesh, spec_of(query)[:-1], spec_of(table_VxE)[:1])
+
+
 def dense(in_features: int | Sequence[int], out_features: int | Sequence[int],
           axes: tuple[str | None, ...], *, init: Initializer, dtype, param_dtype,
-          rngs: nnx.Rngs) -> nnx.LinearGeneral:
+          rngs: nnx.Rngs) -> Dense:
   """A linear map with a zero-initialised bias and logical axis names.
 
   `axes` names every kernel dimension, input dimensions first; the bias takes the output names.
@@ -69,8 +189,9 @@ def dense(in_features: int | Sequence[int], out_features: int | Sequence[int],
   kernel flattened to [prod(in), prod(out)], so fan-in based initialisers count the true fan-in.
   """
   in_shape = tuple(in_features) if isinstance(in_features, Sequence) else (in_features,)
-  return nnx.LinearGeneral(
+  return Dense(
       in_shape, out_features, axis=tuple(range(-len(in_shape), 0)),
+      feature_axes=tuple(axes[len(in_shape):]),
       kernel_init=init, kernel_metadata=logical_axes(*axes),
       bias_metadata=logical_axes(*axes[len(in_shape):]),
       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
@@ -91,10 +212,10 @@ def layer_norm(size: int, eps: float, *, dtype, param_dtype, rngs: nnx.Rngs,
 
 
 def embed(num: int, size: int, axes: tuple[str | None, str], *, stddev: float, dtype,
-          param_dtype, rngs: nnx.Rngs) -> nnx.Embed:
-  return nnx.Embed(num, size, embedding_init=nnx.initializers.normal(stddev),
-                   embedding_metadata=logical_axes(*axes),
-                   dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+          param_dtype, rngs: nnx.Rngs) -> Embed:
+  return Embed(num, size, embedding_init=nnx.initializers.normal(stddev),
+               embedding_metadata=logical_axes(*axes),
+               dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
 
 def rotary(x_BxNxHxD: jax.Array, base: float, positions_N: jax.Array | None = None) -> jax.Array:

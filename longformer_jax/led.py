@@ -56,6 +56,7 @@ from longformer_jax.generation import SamplingConfig
 from longformer_jax.layers import activation, dense, embed, layer_norm, logical_axes, maybe_remat
 from longformer_jax.modeling import check_ids
 from longformer_jax.ops.validation import is_traced
+from longformer_jax.pretrained import HFCheckpointMixin
 
 # torch.nn.LayerNorm's default: HF's LED builds every LayerNorm without an eps argument.
 LAYER_NORM_EPS = 1e-5
@@ -262,8 +263,10 @@ class _Embeddings(nnx.Module):
     self.layernorm_embedding = layer_norm(c.d_model, LAYER_NORM_EPS, **dtypes, rngs=rngs)
     self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-  def embed_inputs(self, embed_tokens: nnx.Embed, ids_BxT: jax.Array, positions_T: jax.Array):
-    hidden_BxTxE = embed_tokens(ids_BxT) + self.embed_positions(positions_T)[None]
+  def embed_inputs(self, tokens_BxTxE: jax.Array, positions_T: jax.Array):
+    """tokens: the shared table's rows of the ids (the caller looks them up: a module is never a
+    positional argument of another's call, which `nnx.tabulate` cannot display)."""
+    hidden_BxTxE = tokens_BxTxE + self.embed_positions(positions_T)[None]
     return self.dropout(self.layernorm_embedding(hidden_BxTxE))
 
 
@@ -283,9 +286,9 @@ class LEDEncoder(_Embeddings):
                         param_dtype=c.param_dtype, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
         for window in c.layer_windows])
 
-  def __call__(self, embed_tokens, ids_BxN, mask_BxN, global_BxN, *, max_global: int | None,
+  def __call__(self, tokens_BxNxE, mask_BxN, global_BxN, *, max_global: int | None,
                output_hidden_states: bool) -> LEDEncoderOutput:
-    hidden_BxNxE = self.embed_inputs(embed_tokens, ids_BxN, jnp.arange(ids_BxN.shape[1]))
+    hidden_BxNxE = self.embed_inputs(tokens_BxNxE, jnp.arange(tokens_BxNxE.shape[1]))
 
     def run_layer(layer, hidden_BxNxE, mask_BxN, global_BxN):
       return layer(hidden_BxNxE, mask_BxN, global_BxN, max_global=max_global)[0]
@@ -308,9 +311,9 @@ class LEDDecoder(_Embeddings):
     self.layers = nnx.List([LEDDecoderLayer(config, rngs=rngs)
                             for _ in range(config.decoder_layers)])
 
-  def __call__(self, embed_tokens, ids_BxT, encoder_BxNxE, encoder_mask_BxN, decoder_mask_BxT,
+  def __call__(self, tokens_BxTxE, encoder_BxNxE, encoder_mask_BxN, decoder_mask_BxT,
                cache: LEDDecoderCache | None, *, output_hidden_states: bool) -> LEDDecoderOutput:
-    num_new = ids_BxT.shape[1]
+    num_new = tokens_BxTxE.shape[1]
     if cache is None:
       index = 0
       positions_T = jnp.arange(num_new)
@@ -329,7 +332,7 @@ class LEDDecoder(_Embeddings):
       layer_caches = cache.layers
     cross_mask_Bx1x1xN = (None if encoder_mask_BxN is None
                           else encoder_mask_BxN[:, None, None, :])
-    hidden_BxTxE = self.embed_inputs(embed_tokens, ids_BxT, positions_T)
+    hidden_BxTxE = self.embed_inputs(tokens_BxTxE, positions_T)
 
     def run_layer(layer, hidden_BxTxE, self_mask, cross_mask, encoder_BxNxE, layer_cache, index):
       return layer(hidden_BxTxE, self_mask, cross_mask, encoder_BxNxE, layer_cache, index)
@@ -391,7 +394,7 @@ def _max_global(global_BxN: jax.Array) -> int:
   return int(jnp.max(jnp.sum(global_BxN, axis=1), initial=0))
 
 
-class LEDModel(nnx.Module):
+class LEDModel(HFCheckpointMixin, nnx.Module):
   """The encoder-decoder: a shared token embedding, the Longformer encoder, the BART decoder.
 
   mesh, seq_axis: handed to every encoder attention layer (see `LongformerSelfAttention`); the
@@ -426,7 +429,7 @@ class LEDModel(nnx.Module):
       if max_global is None and not is_traced(global_BxN):
         max_global = _max_global(global_BxN)
       global_BxN = global_BxN & mask_BxN  # under jit: a padding token is never global
-    return self.encoder(self.shared, ids_BxN, mask_BxN, global_BxN, max_global=max_global,
+    return self.encoder(self.shared(ids_BxN), mask_BxN, global_BxN, max_global=max_global,
                         output_hidden_states=output_hidden_states)
 
   def init_cache(self, encoder_hidden_states, encoder_attention_mask=None, *,
@@ -500,7 +503,7 @@ class LEDModel(nnx.Module):
         raise ValueError(f"{num_new} new decoder tokens at position {position} do not fit the "
                          f"cache's max_length={cache.max_length}")
       encoder_BxNxE = encoder_mask_BxN = decoder_mask_BxT = None
-    return self.decoder(self.shared, ids_BxT, encoder_BxNxE, encoder_mask_BxN, decoder_mask_BxT,
+    return self.decoder(self.shared(ids_BxT), encoder_BxNxE, encoder_mask_BxN, decoder_mask_BxT,
                         cache, output_hidden_states=output_hidden_states)
 
   def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None,
@@ -529,7 +532,7 @@ class LEDModel(nnx.Module):
                                  decoded.hidden_states, encoder_outputs.hidden_states)
 
 
-class LEDForConditionalGeneration(nnx.Module):
+class LEDForConditionalGeneration(HFCheckpointMixin, nnx.Module):
   """LEDModel + the LM head: the shared embedding matrix (tied, as in HF) plus `final_logits_bias`.
 
   HF keeps `final_logits_bias` as a buffer (loaded, never trained); it is a Param here so that
@@ -722,7 +725,7 @@ def _generate_fn(graphdef, settings: _GenerateSettings):
   return run
 
 
-class LEDForQuestionAnswering(nnx.Module):
+class LEDForQuestionAnswering(HFCheckpointMixin, nnx.Module):
   """Start and end logits from the DECODER's states (as HF's LED and BART do). HF sets no global
   attention by default here: pass a global_attention_mask (e.g. on the question)."""
 

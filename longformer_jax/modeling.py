@@ -30,8 +30,9 @@ from flax import nnx
 
 from longformer_jax.config import LongformerConfig
 from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
-from longformer_jax.layers import dense, layer_norm, logical_axes, maybe_remat
+from longformer_jax.layers import attend, dense, layer_norm, logical_axes, maybe_remat
 from longformer_jax.ops.validation import is_traced
+from longformer_jax.pretrained import HFCheckpointMixin
 
 
 @flax.struct.dataclass
@@ -107,7 +108,7 @@ def multiple_choice_global_mask(input_ids_BxN: jax.Array, sep_token_id: int) -> 
   return (jnp.arange(input_ids_BxN.shape[-1]) > first_sep_Bx1 + 1) & has_sep_Bx1
 
 
-class LongformerModel(nnx.Module):
+class LongformerModel(HFCheckpointMixin, nnx.Module):
   """The Longformer encoder: embeddings, `num_hidden_layers` layers, and an optional pooler."""
 
   def __init__(self, config: LongformerConfig, *, add_pooling_layer: bool = True,
@@ -206,13 +207,15 @@ class LongformerLMHead(nnx.Module):
                                  param_dtype=param_dtype, rngs=rngs)
     self.bias = nnx.Param(jnp.zeros((vocab_size,), param_dtype), **logical_axes("vocab"))
 
-  def __call__(self, hidden_BxNxE, word_embeddings: nnx.Embed):
+  def __call__(self, hidden_BxNxE, table_VxE: jax.Array, dtype=None):
+    """table: the word embeddings' (the tied decoder), passed as an array: a module is never a
+    positional argument of another's call, which `nnx.tabulate` cannot display."""
     x_BxNxE = self.layer_norm(jax.nn.gelu(self.dense(hidden_BxNxE), approximate=False))
-    logits_BxNxV = word_embeddings.attend(x_BxNxE)
+    logits_BxNxV = attend(x_BxNxE, table_VxE, dtype)
     return logits_BxNxV + self.bias[...].astype(logits_BxNxV.dtype)
 
 
-class LongformerForMaskedLM(nnx.Module):
+class LongformerForMaskedLM(HFCheckpointMixin, nnx.Module):
   """Encoder + LM head whose decoder is the word embedding matrix (tied, as in HF)."""
 
   def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
@@ -241,7 +244,8 @@ class LongformerForMaskedLM(nnx.Module):
     if prediction_positions is not None:
       hidden_BxNxE = jnp.take_along_axis(
           hidden_BxNxE, jnp.asarray(prediction_positions)[..., None], axis=1)
-    logits = self.lm_head(hidden_BxNxE, self.longformer.embeddings.word_embeddings)
+    word_embeddings = self.longformer.embeddings.word_embeddings
+    logits = self.lm_head(hidden_BxNxE, word_embeddings.embedding[...], word_embeddings.dtype)
     return LongformerLogitsOutput(logits, out.hidden_states, out.attentions)
 
 
@@ -290,7 +294,7 @@ class LongformerClassificationHead(nnx.Module):
     return self.out_proj(self.dropout(x_BxE))
 
 
-class LongformerForSequenceClassification(nnx.Module):
+class LongformerForSequenceClassification(HFCheckpointMixin, nnx.Module):
   """Classifies the <s> state into `config.num_labels` classes.
 
   Without a global_attention_mask, <s> gets global attention (as in HF).
@@ -315,7 +319,7 @@ class LongformerForSequenceClassification(nnx.Module):
                                   out.attentions)
 
 
-class LongformerForQuestionAnswering(nnx.Module):
+class LongformerForQuestionAnswering(HFCheckpointMixin, nnx.Module):
   """Start and end logits of an answer span.
 
   Without a global_attention_mask, the question (every token before the first </s>) gets global
@@ -344,7 +348,7 @@ class LongformerForQuestionAnswering(nnx.Module):
                                              out.hidden_states, out.attentions)
 
 
-class LongformerForTokenClassification(nnx.Module):
+class LongformerForTokenClassification(HFCheckpointMixin, nnx.Module):
   """Labels every token with one of `config.num_labels` classes."""
 
   def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
@@ -363,7 +367,7 @@ class LongformerForTokenClassification(nnx.Module):
     return LongformerLogitsOutput(logits, out.hidden_states, out.attentions)
 
 
-class LongformerForMultipleChoice(nnx.Module):
+class LongformerForMultipleChoice(HFCheckpointMixin, nnx.Module):
   """Scores C candidate sequences per example from their pooled states.
 
   Inputs are [B, C, N]; hidden states and attentions come back flattened to [B*C, ...] as in HF.

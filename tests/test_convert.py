@@ -146,7 +146,7 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
 def test_bad_sources_are_rejected(tmp_path):
   with pytest.raises(ValueError, match="model_type='roberta'; use roberta_to_longformer"):
     convert.from_hf(random_roberta(transformers.RobertaModel))
-  with pytest.raises(TypeError, match="HF PyTorch model or a local directory"):
+  with pytest.raises(TypeError, match="HF PyTorch model, a local directory or an HF Hub id"):
     convert.from_hf(42)
   with pytest.raises(FileNotFoundError, match="no config.json"):
     convert.from_hf(tmp_path)

@@ -10,11 +10,7 @@ fewer, `test_on_eight_devices` reruns this file in a subprocess with
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -26,22 +22,14 @@ from longformer_jax import ops
 from test_attention import expected_keys
 from testing import AttentionCase as Case
 from testing import make_attention_inputs as make_inputs
-from testing import seed_of
+from testing import rerun_on_devices, seed_of
 
 DEVICES = 8
 
 if jax.device_count() < DEVICES:
 
   def test_on_eight_devices():
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-        cwd=Path(__file__).parent, env=env, capture_output=True, text=True, timeout=1500)
-    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
-    print(f"8-device run of {Path(__file__).name}: {summary}")
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary
+    rerun_on_devices(__file__, DEVICES, timeout=1500)
 
 else:
 

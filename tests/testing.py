@@ -8,7 +8,12 @@ it; torch-based helpers live in tests/hf_testing.py.
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 import zlib
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -173,3 +178,22 @@ def make_model_inputs(seed: int = 0) -> dict[str, np.ndarray]:
   global_mask[1, [0, 20]] = 1
   return dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
               token_type_ids=rng.integers(0, 2, (BATCH, SEQ)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-device test modules
+
+
+def rerun_on_devices(test_file: str, devices: int, timeout: int = 1500) -> None:
+  """Runs the test module `test_file` in a subprocess with `devices` simulated CPU devices (the
+  test process has one) and asserts that its cases ran and passed; prints pytest's summary."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  proc = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+       test_file],
+      cwd=Path(test_file).parent, env=env, capture_output=True, text=True, timeout=timeout)
+  summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+  print(f"{devices}-device run of {Path(test_file).name}: {summary}")
+  assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+  assert re.search(r"\d+ passed", summary) and "failed" not in summary, summary

@@ -21,6 +21,8 @@ tokens of `sequence_parallel.py`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 from typing import Callable
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 import numpy as np
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec as P
 
 from longformer_jax.ops import sequence_parallel as sp
 from longformer_jax.ops.band_chunked import band_attention_chunked
@@ -47,14 +49,45 @@ BandKernel = Callable[..., tuple[jax.Array, jax.Array]]
 KERNEL_PLATFORMS = ("tpu", "gpu", "cuda", "cpu")
 
 
-def platform_of(mesh: Mesh | None) -> str:
-  """The platform the op compiles for: the mesh's devices', else the default backend.
+# Set by `target_platform`: the platform that ops without a mesh trace for (None: the default
+# backend's). A context variable, so that it holds in the thread (or task) that traces.
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "longformer_target_platform", default=None)
+
+
+@contextlib.contextmanager
+def target_platform(platform: str):
+  """Within the block, the op traced without a mesh chooses its kernel for `platform` ("cpu",
+  "cuda", "rocm", "gpu", "tpu") instead of the default backend: exporting a program for a TPU
+  from a CPU host (`jax.export`, platforms=("tpu",)) then contains the Mosaic kernel.
+
+  Only tracing inside the block sees it, and jax's trace caches do not: trace functions made
+  for the block (a closure created inside it), not ones already traced outside.
+  """
+  if not isinstance(platform, str) or not platform:
+    raise TypeError(f"platform={platform!r}: expected a platform name such as 'tpu'")
+  token = _TARGET_PLATFORM.set(platform.lower())
+  try:
+    yield
+  finally:
+    _TARGET_PLATFORM.reset(token)
+
+
+def platform_of(mesh: Mesh | AbstractMesh | None) -> str:
+  """The platform the op compiles for: the mesh's devices' (an abstract mesh's
+  `abstract_device`, when it has one), else the one `target_platform` sets, else the default
+  backend.
 
   From the mesh, not `jax.default_backend()`: a program compiled ahead of time for a TPU slice
   from a CPU host (docs/design.md §5.1) must contain the TPU kernel, not the interpret path.
   """
+  if isinstance(mesh, AbstractMesh):
+    device = getattr(mesh, "abstract_device", None)
+    if device is not None and device.platform:
+      return device.platform
+    mesh = None
   if mesh is None:
-    return jax.default_backend()
+    return _TARGET_PLATFORM.get() or jax.default_backend()
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh")
   return mesh.devices.flat[0].platform
@@ -70,10 +103,10 @@ def _pallas_available(q, window: int, platform: str) -> bool:
 
 def resolve_impl(impl: str, q, window: int, platform: str | None = None) -> str:
   """'auto' -> the fastest implementation that can take these inputs on `platform` (default:
-  the default backend's)."""
+  `target_platform`'s, else the default backend's)."""
   if impl not in IMPLS + ("auto",):
     raise ValueError(f"impl={impl!r}; expected one of {IMPLS + ('auto',)}")
-  platform = jax.default_backend() if platform is None else platform
+  platform = platform_of(None) if platform is None else platform
   if impl == "pallas" and platform not in KERNEL_PLATFORMS:
     raise ValueError(f"impl='pallas': platform {platform!r} has no Pallas band kernel "
                      f"(kernels for {KERNEL_PLATFORMS}); use impl='chunked'")
@@ -283,58 +316,169 @@ def _with_globals_sharded(band_out, band_lse, q, k, v, global_qkv, attention_mas
 
 
 # ----------------------------------------------------------------------------------------------
-# On a mesh.
+# On a mesh (docs/design.md §2.6). The op meets a mesh in one of three ways:
+#   * `mesh=`: it runs per shard under its own shard_map over every axis of that mesh, the batch
+#     split over `batch_axes` (default: every axis but seq_axis and head_axis);
+#   * Explicit axes (`jax.make_mesh`'s default; under `jax.set_mesh`, or in the inputs' types):
+#     per shard under its own shard_map over those axes, each dimension split as the type of `q`
+#     says (or as `batch_axes`/`seq_axis`/`head_axis` say), the output laid out as `q`;
+#   * inside a caller's shard_map (Manual axes): the arrays already are shards, the composition
+#     runs on them as they are, and `seq_axis` names the caller's axis the sequence is split over.
+# Why per shard rather than XLA partitioning the composition: the Pallas kernels are custom calls
+# that no partitioner can split, and the chunked path's reshapes merge the batch with sharded
+# dimensions, which Explicit types refuse; per shard every array is local, so every impl runs
+# the same code on one device, on a mesh and inside a caller's shard_map.
 
 
-def _mesh_axes(mesh: Mesh, seq_axis, batch_axes, head_axis, q_shape):
-  """Checks the mesh axes against the inputs; returns (batch_axes, num_seq_shards)."""
+def _axes(entry) -> tuple[str, ...]:
+  """A PartitionSpec entry or an axes argument (None, a name, or names) as a tuple of names."""
+  if entry is None:
+    return ()
+  return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(axes: tuple[str, ...]):
+  """Names as a PartitionSpec entry: None, one name, or a tuple of names."""
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def _shards(mesh, axes: tuple[str, ...]) -> int:
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def _context_mesh(q) -> Mesh | AbstractMesh | None:
+  """The mesh the caller traces under: `jax.sharding.get_abstract_mesh()` (set by
+  `jax.set_mesh`, `jax.sharding.use_abstract_mesh` and inside `shard_map`), else the mesh of
+  q's type when it has Explicit axes (arrays laid out on one, used outside `jax.set_mesh`;
+  called eagerly, the array's own mesh, whose devices the other inputs are moved to)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    mesh = getattr(getattr(jax.typeof(q), "sharding", None), "mesh", None)
+    if not isinstance(mesh, AbstractMesh) or mesh.empty or not mesh.explicit_axes:
+      return None
+    if isinstance(getattr(q, "sharding", None), NamedSharding):  # a concrete array
+      return q.sharding.mesh
+  return mesh
+
+
+def _check_context_axes(ctx, seq_axis, batch_axes, head_axis):
+  """With mesh=None, every axis named must be an Explicit or Manual axis of the caller's mesh."""
+  usable = () if ctx is None else tuple(ctx.explicit_axes) + tuple(ctx.manual_axes)
+  for arg, value in (("seq_axis", seq_axis), ("batch_axes", batch_axes),
+                     ("head_axis", head_axis)):
+    for axis in _axes(value):
+      if axis not in usable:
+        where = ("no mesh is set (no jax.set_mesh, not inside shard_map)" if ctx is None else
+                 f"{axis!r} is not an Explicit or Manual axis of the current mesh {ctx}")
+        raise ValueError(f"{arg}={value!r} names a mesh axis, but mesh=None and {where}")
+  if seq_axis is not None and not isinstance(seq_axis, str):
+    raise TypeError(f"seq_axis={seq_axis!r}: expected one mesh axis name")
+
+
+def _check_layout(mesh, q_shape, batch_axes, seq_axis, head_axes, *, local_axes=()):
+  """Checks the axes that split the inputs against the mesh and q's shape; returns the number of
+  sequence shards. `local_axes`: Manual axes, over which q is already a shard (nothing to
+  divide)."""
   names = tuple(mesh.axis_names)
-  for arg, axis in (("seq_axis", seq_axis), ("head_axis", head_axis)):
-    if axis is not None and axis not in names:
-      raise ValueError(f"{arg}={axis!r} is not an axis of the mesh {dict(mesh.shape)}")
-  if seq_axis is not None and seq_axis == head_axis:
+  for arg, axes in (("seq_axis", _axes(seq_axis)), ("head_axis", head_axes)):
+    for axis in axes:
+      if axis not in names:
+        raise ValueError(f"{arg}={_entry(axes)!r} is not an axis of the mesh {dict(mesh.shape)}")
+  if set(_axes(seq_axis)) & set(head_axes):
     raise ValueError(f"seq_axis and head_axis are both {seq_axis!r}")
-  if batch_axes is None:  # every other axis splits the batch
-    batch_axes = tuple(a for a in names if a not in (seq_axis, head_axis))
-  else:
-    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
-    for axis in batch_axes:
-      if axis not in names or axis in (seq_axis, head_axis):
-        raise ValueError(f"batch_axes={batch_axes}: {axis!r} is not a free axis of the mesh "
-                         f"{dict(mesh.shape)} (seq_axis={seq_axis!r}, head_axis={head_axis!r})")
+  for axis in batch_axes:
+    if axis not in names or axis in _axes(seq_axis) or axis in head_axes:
+      raise ValueError(f"batch_axes={batch_axes}: {axis!r} is not a free axis of the mesh "
+                       f"{dict(mesh.shape)} (seq_axis={seq_axis!r}, "
+                       f"head_axis={_entry(head_axes)!r})")
   batch, seq, heads, _ = q_shape
-  batch_shards = math.prod(mesh.shape[a] for a in batch_axes)
+  global_ = lambda axes: tuple(a for a in axes if a not in local_axes)
+  batch_shards = _shards(mesh, global_(batch_axes))
   if batch % batch_shards:
     raise ValueError(f"batch {batch} does not divide over the mesh's batch axes {batch_axes} "
                      f"({batch_shards} shards)")
-  if head_axis is not None and heads % mesh.shape[head_axis]:
-    raise ValueError(f"{heads} heads do not divide over head_axis={head_axis!r} "
-                     f"({mesh.shape[head_axis]} shards)")
+  head_shards = _shards(mesh, global_(head_axes))
+  if heads % head_shards:
+    raise ValueError(f"{heads} heads do not divide over head_axis={_entry(head_axes)!r} "
+                     f"({head_shards} shards)")
   seq_shards = 1 if seq_axis is None else mesh.shape[seq_axis]
-  if seq < seq_shards:
+  if seq_axis not in local_axes and seq < seq_shards:
     raise ValueError(f"sequence length {seq} is shorter than the {seq_shards} shards of "
                      f"seq_axis={seq_axis!r}: every shard needs at least one token")
-  return batch_axes, seq_shards
+  return seq_shards
 
 
-def _dilations_per_head_shard(dilations, mesh, head_axis):
+def _dilations_per_head_shard(dilations, shards: int, head_axes):
   """The dilations of one head shard: a shard's dilations are static, so every shard must have
   the same pattern (e.g. (1, 2, 1, 2) over 2 shards is (1, 2) on each)."""
-  if head_axis is None:
-    return dilations
-  shards = mesh.shape[head_axis]
+  if shards == 1:
+    return tuple(dilations)
   per_shard = np.asarray(dilations).reshape(shards, -1)
   if not (per_shard == per_shard[0]).all():
-    raise ValueError(f"dilation={dilations} differs between the {shards} shards of "
-                     f"head_axis={head_axis!r}: each shard must hold the same dilations")
+    raise ValueError(f"dilation={tuple(dilations)} differs between the {shards} shards of "
+                     f"head_axis={_entry(_axes(head_axes))!r}: each shard must hold the same "
+                     "dilations")
   return tuple(int(d) for d in per_shard[0])
 
 
-def _on_mesh(compose, mesh, seq_axis, batch_axes, head_axis, seq_shards, q, k, v,
-             attention_mask, global_mask, global_qkv):
-  """Runs `compose` per shard under `shard_map`: Pallas kernels (Mosaic, Triton) are custom calls
-  that XLA cannot partition, so in a sharded program they must see per-device arrays."""
-  seq = q.shape[1]
+def _dilation_of_local_heads(dilation, local_heads: int, ctx, head_axis):
+  """Inside a caller's shard_map that splits heads over `head_axis` (Manual), `dilation` may be
+  given per local head, or per head of the whole model as with `mesh=` (then every shard must
+  hold the same pattern, and that pattern is returned)."""
+  shards = _shards(ctx, _axes(head_axis))
+  if (isinstance(dilation, (tuple, list)) and shards > 1
+      and len(dilation) == local_heads * shards):
+    return _dilations_per_head_shard(dilation, shards, head_axis)
+  return dilation
+
+
+def _explicit_layout(q, ctx, batch_axes, seq_axis, head_axis):
+  """(batch axes, seq axis, head axes) of the op's shard_map over the Explicit axes of `ctx`:
+  for each dimension the Explicit axes named by the argument, else those q's type splits it
+  over. A sequence split over an Explicit axis makes it the sequence-parallel axis."""
+  explicit = set(ctx.explicit_axes)
+  spec = tuple(jax.typeof(q).sharding.spec) + (None,) * q.ndim
+  # An axis named for one dimension is taken from the dimension q's type splits over it.
+  named = set(_axes(batch_axes)) | set(_axes(seq_axis)) | set(_axes(head_axis))
+  pick = lambda arg, dim: tuple(
+      a for a in (_axes(spec[dim]) if arg is None else _axes(arg))
+      if a in explicit and (arg is not None or a not in named))
+  seq = pick(seq_axis, 1)
+  if len(seq) > 1:
+    raise ValueError(f"q's sequence is split over the mesh axes {seq}; sequence parallelism "
+                     "takes one axis: lay the sequence over one axis or pass seq_axis=<axis>")
+  return pick(batch_axes, 0), _entry(seq), pick(head_axis, 2)
+
+
+def _lay_out(x, spec, mesh):
+  """`x` laid out as `spec` over the Explicit axes of `mesh` (`jax.sharding.reshard`, a no-op when
+  its type already says so): shard_map takes only arrays whose Explicit type matches its
+  in_specs. Other axes in `spec` are left to shard_map."""
+  explicit = set(mesh.explicit_axes)
+  want = tuple(_entry(tuple(a for a in _axes(e) if a in explicit)) for e in spec)
+  want += (None,) * (x.ndim - len(want))
+  have = getattr(jax.typeof(x), "sharding", None)
+  have_spec = () if have is None or have.mesh.empty else tuple(have.spec)
+  have_spec = tuple(_entry(_axes(e)) for e in have_spec) + (None,) * (x.ndim - len(have_spec))
+  if have_spec == want:
+    return x
+  return jax.sharding.reshard(x, NamedSharding(mesh, P(*want)))
+
+
+def _per_shard(band_kernel, static, seq_axis, seq_shards):
+  """The composition one shard runs: whole sequences, or one shard of them over `seq_axis`."""
+  if seq_axis is None:
+    return functools.partial(_compose, band_kernel, **static)
+  return functools.partial(_compose_sequence_shard, band_kernel, **static,
+                           axis_name=seq_axis, num_shards=seq_shards)
+
+
+def _on_mesh(compose, mesh, axis_names, batch_axes, seq_axis, head_axes, q, k, v,
+             attention_mask, global_mask, global_qkv, *, check_vma=True):
+  """Runs `compose` per shard under `shard_map` over `axis_names` of `mesh`, the inputs split
+  over `batch_axes`, `seq_axis` (an axis of `axis_names`, or None) and `head_axes`."""
+  q_in, seq = q, q.shape[1]
+  seq_shards = 1 if seq_axis is None else mesh.shape[seq_axis]
   # A length that does not divide: pad with masked-out tokens (their outputs are sliced off).
   pad = -seq % seq_shards
   if pad:
@@ -344,18 +488,42 @@ def _on_mesh(compose, mesh, seq_axis, batch_axes, head_axis, seq_shards, q, k, v
     attention_mask = jnp.pad(attention_mask, ((0, 0), (0, pad)))
     if global_mask is not None:
       global_mask = jnp.pad(global_mask, ((0, 0), (0, pad)))
-  batch = batch_axes if batch_axes else None
-  spec_BxNxHxD = P(batch, seq_axis, head_axis, None)
+  batch, heads = _entry(batch_axes), _entry(head_axes)
+  spec_BxNxHxD = P(batch, seq_axis, heads, None)
   spec_BxN = P(batch, seq_axis)
+  explicit = bool(set(mesh.explicit_axes) & set(axis_names))
+  if explicit:
+    lay = lambda x, spec: None if x is None else _lay_out(x, spec, mesh)
+    q, k, v = (lay(x, spec_BxNxHxD) for x in (q, k, v))
+    attention_mask, global_mask = lay(attention_mask, spec_BxN), lay(global_mask, spec_BxN)
+    if global_qkv is not None:
+      global_qkv = tuple(lay(x, spec_BxNxHxD) for x in global_qkv)
   args = (q, k, v, attention_mask, global_mask, global_qkv)
   specs = (spec_BxNxHxD,) * 3 + (spec_BxN, spec_BxN if global_mask is not None else None,
                                  (spec_BxNxHxD,) * 3 if global_qkv is not None else None)
-  # check_vma=False: pallas_call's outputs carry no varying-axes annotation (jax 0.12 asks for
-  # one per out_shape, jax 0.11 has none). The collectives used (ppermute, all_gather,
-  # psum_scatter) transpose the same either way.
   out = jax.shard_map(compose, mesh=mesh, in_specs=specs, out_specs=spec_BxNxHxD,
-                      check_vma=False)(*args)
-  return out[:, :seq]
+                      axis_names=frozenset(axis_names), check_vma=check_vma)(*args)
+  if pad:
+    if explicit and seq_axis in mesh.explicit_axes:  # an Explicit type refuses a sharded slice
+      out = _lay_out(out, P(batch, None, heads, None), mesh)
+    out = out[:, :seq]
+  q_sharding = getattr(jax.typeof(q_in), "sharding", None)
+  if explicit and q_sharding is not None and not q_sharding.mesh.empty:
+    out = _lay_out(out, q_sharding.spec, mesh)  # the output is laid out as q
+  return out
+
+
+def _dense_sequence_shard(q, k, v, attention_mask, global_mask, global_qkv, *, seq_axis,
+                          **dense):
+  """The dense reference on this shard of a sequence split over the caller's `seq_axis`: the
+  whole sequence is gathered and this shard's rows kept (for tests: O(seq^2))."""
+  whole = lambda x: None if x is None else lax.all_gather(x, seq_axis, axis=1, tiled=True)
+  out = dense_attention(whole(q), whole(k), whole(v), attention_mask=whole(attention_mask),
+                        global_mask=whole(global_mask),
+                        global_qkv=None if global_qkv is None else tuple(map(whole, global_qkv)),
+                        **dense)
+  n = q.shape[1]
+  return lax.dynamic_slice_in_dim(out, lax.axis_index(seq_axis) * n, n, axis=1)
 
 
 def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = False,
@@ -380,46 +548,104 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
       interpret mode on CPU) or "auto" (pallas on GPU/TPU where it can take the shapes, else
       chunked).
     max_global: static upper bound on global tokens per row. Needed only when global_mask is a
-      traced value (inside jit or vmap); otherwise the exact count is read from the mask. A row
-      with more global tokens than this outputs NaN instead of silently dropping them.
-    mesh: the device mesh the inputs are laid out on (None: one device, or let XLA partition the
-      chunked path). Given a mesh, the band runs per shard inside `shard_map`, and the platform
-      (which kernel, interpret mode or not) is the mesh devices', so compiling ahead of time
-      for a TPU from a CPU host gets the TPU kernel.
+      traced value (inside jit, vmap or shard_map); otherwise the exact count is read from the
+      mask. A row with more global tokens than this outputs NaN instead of silently dropping
+      them.
+    mesh: the device mesh the inputs are laid out on. Given a mesh, the band runs per shard
+      inside the op's own `shard_map` over every axis of it, and the platform (which kernel,
+      interpret mode or not) is the mesh devices', so compiling ahead of time for a TPU from a
+      CPU host gets the TPU kernel. None: the caller's mesh, if any, decides:
+      * Explicit axes (`jax.make_mesh`'s default, under `jax.set_mesh` or in the types of the
+        inputs): the op runs per shard inside its own `shard_map` over those axes, each
+        dimension split as q's type says (the batch, the heads; a sequence split over one
+        axis makes that axis `seq_axis`), and the output is laid out as q;
+      * Manual axes (inside the caller's `jax.shard_map`): q, k, v are the caller's shards and
+        the op runs on them; `seq_axis` names the caller's axis that splits the sequence;
+      * Auto axes, or no mesh: one program that XLA partitions (the Pallas kernels then need
+        `mesh=` or Explicit axes on a GPU/TPU: XLA cannot partition a kernel).
+      The platform is then `target_platform`'s, else the device of the caller's abstract mesh,
+      else the default backend's.
     seq_axis: the mesh axis the sequence is split over (sequence parallelism, §2.6): each shard
       fetches the `window * dilation` neighbouring keys/values its queries see, and the global
       tokens' keys/values; the result equals the unsplit op's. None: sequences are whole on
-      every device.
-    batch_axes: the mesh axes the batch is split over (default: every axis other than seq_axis
-      and head_axis); head_axis: the axis heads are split over (default: none).
+      every device (under Explicit axes: unless q's type splits them).
+    batch_axes: the mesh axes the batch is split over (with `mesh=`, default: every axis other
+      than seq_axis and head_axis; under Explicit axes: those of q's type; inside a caller's
+      shard_map they are checked and need nothing else). head_axis: the axis heads are split
+      over (with `mesh=`, default none). `dilation` is then given for all heads and every head
+      shard must hold the same pattern; inside a caller's shard_map that splits the heads,
+      `dilation` may also be given per local head.
 
   Returns:
     [batch, seq, heads, head_dim] in the dtype of q.
   """
+  ctx = None  # the caller's mesh, when mesh=None
+  if mesh is None:
+    ctx = _context_mesh(q)
+    _check_context_axes(ctx, seq_axis, batch_axes, head_axis)
+    if head_axis is not None and set(_axes(head_axis)) <= set(ctx.manual_axes):
+      dilation = _dilation_of_local_heads(dilation, q.shape[2], ctx, head_axis)
+  else:
+    if not isinstance(mesh, (Mesh, AbstractMesh)):
+      raise TypeError(f"mesh={mesh!r}: expected a jax.sharding.Mesh")
+    inside = set(jax.sharding.get_abstract_mesh().manual_axes) & set(mesh.axis_names)
+    if inside:
+      raise ValueError(f"mesh={dict(mesh.shape)} inside a shard_map over its axes "
+                       f"{sorted(inside)}: q, k, v already are shards there; pass mesh=None "
+                       "and name the caller's axis that splits the sequence as seq_axis")
   dilations, attention_mask, global_mask, global_qkv, num_global = validate_attention_args(
       q, k, v, window=window, dilation=dilation, causal=causal, attention_mask=attention_mask,
       global_mask=global_mask, global_qkv=global_qkv, max_global=max_global)
-  if mesh is None and (seq_axis, batch_axes, head_axis) != (None, None, None):
-    raise ValueError(f"seq_axis={seq_axis!r}, batch_axes={batch_axes!r}, "
-                     f"head_axis={head_axis!r} name mesh axes, but mesh=None")
-  platform = platform_of(mesh)
+  if mesh is not None and head_axis is not None and not isinstance(head_axis, str):
+    raise TypeError(f"head_axis={head_axis!r}: expected one mesh axis name")
+  # `target_platform` (set to export for another platform) outranks the caller's mesh.
+  platform = platform_of(mesh if mesh is not None else
+                         None if _TARGET_PLATFORM.get() else ctx)
   impl = resolve_impl(impl, q, window, platform)
+  manual = () if ctx is None else tuple(ctx.manual_axes)
   if impl == "reference":  # dense, for tests: XLA partitions it on a mesh
-    return dense_attention(q, k, v, window=window, dilations=dilations, causal=causal,
-                           attention_mask=attention_mask, global_mask=global_mask,
-                           global_qkv=global_qkv)
+    dense = dict(window=window, dilations=dilations, causal=causal)
+    if seq_axis is not None and seq_axis in manual:
+      return _dense_sequence_shard(q, k, v, attention_mask, global_mask, global_qkv,
+                                   seq_axis=seq_axis, **dense).astype(q.dtype)
+    return dense_attention(q, k, v, attention_mask=attention_mask, global_mask=global_mask,
+                           global_qkv=global_qkv, **dense)
   static = dict(window=window, dilations=dilations, causal=causal, num_global=num_global)
   band_kernel, static["fused"] = _band_kernel(impl, platform)
-  if mesh is None:
-    out = _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, **static)
+  args = (q, k, v, attention_mask, global_mask, global_qkv)
+  # The op's own shard_map checks varying manual axes (the kernels state them for their outputs,
+  # `band_pallas.out_struct`), except around kernels in interpret mode: jax's Pallas HLO
+  # interpreter cannot evaluate a kernel on values of varying type (jax 0.11, 0.12), and the TPU
+  # interpreter, which can, synchronises all devices in host callbacks, which deadlocked XLA's
+  # CPU collectives at 8 devices. Without the check the HLO interpreter runs the kernel.
+  check_vma = not (impl == "pallas" and platform == "cpu")
+  if mesh is not None:
+    if batch_axes is None:  # every other axis splits the batch
+      batch_axes = tuple(a for a in mesh.axis_names if a not in (seq_axis, head_axis))
+    batch_axes, head_axes = _axes(batch_axes), _axes(head_axis)
+    seq_shards = _check_layout(mesh, q.shape, batch_axes, seq_axis, head_axes)
+    static["dilations"] = _dilations_per_head_shard(dilations, _shards(mesh, head_axes),
+                                                    head_axes)
+    out = _on_mesh(_per_shard(band_kernel, static, seq_axis, seq_shards), mesh,
+                   tuple(mesh.axis_names), batch_axes, seq_axis, head_axes, *args,
+                   check_vma=check_vma)
+  elif ctx is None or not ctx.explicit_axes:
+    # One device, a program XLA partitions (Auto axes), or a shard inside a caller's shard_map.
+    if ctx is not None:
+      _check_layout(ctx, q.shape, _axes(batch_axes), seq_axis, _axes(head_axis),
+                    local_axes=manual)
+    seq_shards = 1 if seq_axis is None else ctx.shape[seq_axis]
+    out = _per_shard(band_kernel, static, seq_axis, seq_shards)(*args)
   else:
-    batch_axes, seq_shards = _mesh_axes(mesh, seq_axis, batch_axes, head_axis, q.shape)
-    static["dilations"] = _dilations_per_head_shard(dilations, mesh, head_axis)
-    if seq_axis is None:
-      compose = functools.partial(_compose, band_kernel, **static)
-    else:
-      compose = functools.partial(_compose_sequence_shard, band_kernel, **static,
-                                  axis_name=seq_axis, num_shards=seq_shards)
-    out = _on_mesh(compose, mesh, seq_axis, batch_axes, head_axis, seq_shards, q, k, v,
-                   attention_mask, global_mask, global_qkv)
+    batch_axes, explicit_seq, head_axes = _explicit_layout(q, ctx, batch_axes, seq_axis,
+                                                           head_axis)
+    seq_axis = explicit_seq if seq_axis is None else seq_axis  # may be a Manual axis
+    local = tuple(a for a in _axes(head_axis) if a in manual)  # heads the caller split
+    seq_shards = _check_layout(ctx, q.shape, batch_axes, seq_axis, head_axes + local,
+                               local_axes=manual)
+    static["dilations"] = _dilations_per_head_shard(dilations, _shards(ctx, head_axes),
+                                                    head_axes)
+    out = _on_mesh(_per_shard(band_kernel, static, seq_axis, seq_shards), ctx,
+                   tuple(ctx.explicit_axes), batch_axes, explicit_seq, head_axes, *args,
+                   check_vma=check_vma)
   return out.astype(q.dtype)

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import numbers
 from typing import Any
@@ -148,6 +149,36 @@ class BlockSizes:
   def all_sizes(self) -> tuple[int, ...]:
     return (self.block_q, self.block_k, self.block_q_dkv, self.block_k_dkv,
             self.block_q_dq, self.block_k_dq)
+
+
+def _varying_axes(x) -> frozenset:
+  """The manual mesh axes `x` varies over (inside `shard_map`; empty outside)."""
+  aval = jax.typeof(x)
+  mat = getattr(aval, "mat", None)  # jax 0.11, 0.12: a ManualAxisType; before: `aval.vma`
+  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def _struct_varying_arg() -> str | None:
+  """The `jax.ShapeDtypeStruct` argument that states the varying manual axes of an output:
+  `manual_axis_type` (jax 0.11, 0.12) or `vma` (earlier); None when it has neither."""
+  params = inspect.signature(jax.ShapeDtypeStruct).parameters
+  return next((a for a in ("manual_axis_type", "vma") if a in params), None)
+
+
+_STRUCT_VARYING_ARG = _struct_varying_arg()
+
+
+def out_struct(shape, dtype, *inputs) -> jax.ShapeDtypeStruct:
+  """A kernel output's `jax.ShapeDtypeStruct`, varying over every manual mesh axis that any of
+  `inputs` varies over: inside `shard_map(check_vma=True)`, `pallas_call` requires the
+  annotation (a kernel is opaque to the check, so its outputs vary as its inputs do)."""
+  varying = frozenset().union(*map(_varying_axes, inputs))
+  if _STRUCT_VARYING_ARG == "manual_axis_type":
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+  if _STRUCT_VARYING_ARG == "vma":
+    return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
+  return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _platform_of_backend(backend: str) -> str:
@@ -529,8 +560,8 @@ def _triton_forward(q, k, v, mask_BxN, glob, cfg: "_Config"):
         grid=s.grid(bq, batch, num_heads),
         in_specs=in_specs + prev_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(s.view(q).shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, s.sub, s.d), jnp.float32)],
+        out_shape=[out_struct(s.view(q).shape, q.dtype, *args),
+                   out_struct((batch, heads, s.sub, s.d), jnp.float32, *args)],
         input_output_aliases=aliases,
         compiler_params=None if cfg.interpret else _triton_params(cfg.blocks),
         interpret=cfg.interpret,
@@ -562,8 +593,8 @@ def _triton_backward(q, k, v, mask_BxN, glob, do, lse_BxHxN, delta_BxHxN, cfg: "
         in_specs=[s.whole(), s.tile(bk), s.tile(bk), s.key_mask(), s.whole(), s.whole_row(),
                   s.whole_row()] + prev_specs,
         out_specs=out_specs,
-        out_shape=[jax.ShapeDtypeStruct(s.view(k).shape, k.dtype),
-                   jax.ShapeDtypeStruct(s.view(v).shape, v.dtype)],
+        out_shape=[out_struct(s.view(k).shape, k.dtype, *args),
+                   out_struct(s.view(v).shape, v.dtype, *args)],
         input_output_aliases=aliases,
         compiler_params=params, interpret=cfg.interpret, name="band_attention_bwd_dkv",
     )(*args, *prev_args)
@@ -586,7 +617,7 @@ def _triton_backward(q, k, v, mask_BxN, glob, do, lse_BxHxN, delta_BxHxN, cfg: "
         grid=s.grid(bq, batch, num_heads),
         in_specs=in_specs + prev_specs,
         out_specs=s.tile(bq),
-        out_shape=jax.ShapeDtypeStruct(s.view(q).shape, q.dtype),
+        out_shape=out_struct(s.view(q).shape, q.dtype, *args),
         input_output_aliases=aliases,
         compiler_params=params, interpret=cfg.interpret, name="band_attention_bwd_dq",
     )(*args, *prev_args)
@@ -631,7 +662,7 @@ class _Config:
   scale: float
   blocks: BlockSizes
   backend: str
-  interpret: Any  # bool, or pltpu.InterpretParams for the TPU kernel
+  interpret: Any  # bool, or pltpu.InterpretParams (the TPU interpreter, for either kernel)
   dilations: tuple[int, ...] = ()  # one per head (Triton); () = all 1
   num_global: int = 0  # rows of the global key block (Triton), 0 = none
   global_keys: int = 0  # how many of them are slots the caller passed (the rest is padding)
@@ -721,7 +752,8 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
     Their positions must be masked out of `key_mask` so that no key counts twice.
   block_sizes: defaults to `BlockSizes.for_device` of the first device (the TPU backend caps
     them to the padded length; see band_pallas_tpu). interpret: None = True on a CPU-only
-    process; for backend='tpu' it may also be a `pltpu.InterpretParams`.
+    process; it may also be a `pltpu.InterpretParams` (the TPU interpreter, which True becomes
+    for inputs that vary over manual mesh axes, inside `shard_map(check_vma=True)`).
   backend: 'triton' (GPU) or 'tpu'; None picks by `jax.default_backend()`.
   Returns (out [batch, seq, heads, head_dim] in q.dtype, lse [batch, heads, seq] float32).
   Raises ValueError for inputs the kernels cannot take (see `pallas_supported`).
@@ -744,6 +776,13 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
   num_global = 0 if global_kv is None else max(16, -(-global_kv[0].shape[1] // 16) * 16)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
+  if interpret is True and any(map(_varying_axes, (q, k, v, key_mask, *(global_kv or ())))):
+    # Inside shard_map(check_vma=True) pallas's HLO interpreter (interpret=True) fails on any
+    # kernel that combines a block with a constant (jax 0.11, 0.12: the block carries the
+    # varying manual axes, the constant none); the TPU interpreter runs the same kernel through
+    # callbacks, where those types do not exist, with results equal to the bit.
+    from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+    interpret = pltpu.InterpretParams()
   if block_sizes is None:
     if backend == "tpu":
       kind = "tpu"

@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from longformer_jax.ops.band_pallas import (band_keep, k_block_range, max_band_blocks,
-                                            q_block_range)
+                                            out_struct, q_block_range)
 from longformer_jax.ops.band_reference import EMPTY_LSE
 
 LANES = 128
@@ -265,8 +265,8 @@ def forward(q, k, v, mask_BxN, cfg):
       grid=(batch, heads // group, num_q, steps),
       in_specs=[q_spec, kv_spec, kv_spec, mask_spec],
       out_specs=[q_spec, pl.BlockSpec((None, group, 1, bq), lambda b, g, i, s: (b, g, 0, i))],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, 1, seq), jnp.float32)],
+      out_shape=[out_struct(q.shape, q.dtype, q, k, v, mask_BxN),
+                 out_struct((batch, heads, 1, seq), jnp.float32, q, k, v, mask_BxN)],
       scratch_shapes=[pltpu.VMEM((group, bq, LANES), jnp.float32),
                       pltpu.VMEM((group, bq, LANES), jnp.float32),
                       pltpu.VMEM((group, bq, head_dim), jnp.float32)],
@@ -289,6 +289,7 @@ def backward(q, k, v, mask_BxN, out, do, lse_BxHxN, dlse_BxHxN, cfg):
   lse_BxHx1xN = lse_BxHxN[:, :, None, :]
   dlse_BxHx1xN = dlse_BxHxN.astype(jnp.float32)[:, :, None, :]
   common = dict(scale=cfg.scale, window=cfg.window, causal=cfg.causal)
+  inputs = (q, k, v, mask_Bx1xN, do, out, lse_BxHx1xN, dlse_BxHx1xN)  # what the outputs vary as
 
   # dQ (and delta): grid over query blocks, band axis over key blocks (as the forward).
   bq, bk = blocks.block_q_dq, blocks.block_k_dq
@@ -306,8 +307,8 @@ def backward(q, k, v, mask_BxN, out, do, lse_BxHxN, dlse_BxHxN, cfg):
                 pl.BlockSpec((None, 1, bk), lambda b, g, i, s: (b, 0, kv_of(i, s))),
                 q_spec, q_spec, row_spec, row_spec],
       out_specs=[q_spec, row_spec],
-      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                 jax.ShapeDtypeStruct((batch, heads, 1, seq), jnp.float32)],
+      out_shape=[out_struct(q.shape, q.dtype, *inputs),
+                 out_struct((batch, heads, 1, seq), jnp.float32, *inputs)],
       scratch_shapes=[pltpu.VMEM((group, bq, head_dim), jnp.float32),
                       pltpu.VMEM((group, bq, LANES), jnp.float32)],
       compiler_params=_compiler_params(),
@@ -331,7 +332,7 @@ def backward(q, k, v, mask_BxN, out, do, lse_BxHxN, dlse_BxHxN, cfg):
                 pl.BlockSpec((None, 1, bk), lambda b, g, j, s: (b, 0, j)),
                 q_spec, row_spec, row_spec],
       out_specs=[k_spec, k_spec],
-      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      out_shape=[out_struct(k.shape, k.dtype, *inputs), out_struct(v.shape, v.dtype, *inputs)],
       scratch_shapes=[pltpu.VMEM((group, bk, head_dim), jnp.float32),
                       pltpu.VMEM((group, bk, head_dim), jnp.float32)],
       compiler_params=_compiler_params(),

@@ -1,0 +1,119 @@
+"""Models on meshes with Explicit axes (`jax.make_mesh`'s default) and with Auto axes, on 4
+simulated CPU devices: forward and every parameter gradient equal the unsharded model's (1e-5 /
+1e-4, float32), with tensor-parallel rules (heads, mlp and vocab over 'model', batch over 'data')
+and FSDP rules (`embed` over 'data'). The docs' sharding example is part of the script, verbatim.
+
+The process has one CPU device, so `test_on_four_devices` reruns the script below in a
+subprocess with `--xla_force_host_platform_device_count=4`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+_SCRIPT = r'''
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from jax.sharding import AxisType, PartitionSpec as P
+from longformer_jax import CharLMConfig, LongformerConfig, LongformerForCausalLM, LongformerForMaskedLM
+from testing import assert_close
+
+jax.config.update("jax_disable_most_optimizations", True)  # compile time: tiny models
+
+config = LongformerConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                          intermediate_size=64, max_position_embeddings=40, attention_window=(2, 3),
+                          attention_dilation=(1, (1, 2, 1, 2)), hidden_dropout_prob=0.0)
+rng = np.random.default_rng(0)
+input_ids = rng.integers(3, 64, (4, 24)).astype(np.int32)
+input_ids[1, 18:] = config.pad_token_id
+global_mask = np.zeros((4, 24), bool)
+global_mask[:, 0] = True
+
+# --- docs/models.md, "Sharding" (verbatim) ---
+mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+rules = (("vocab", "model"), ("heads", "model"), ("mlp", "model"), ("embed", None), ("kv", None),
+         ("norm", None))
+with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+  model = LongformerForMaskedLM(config, rngs=nnx.Rngs(0))
+  ids = jax.device_put(input_ids, P("data"))           # the batch split over 'data'
+  logits = nnx.jit(lambda m, ids: m(ids).logits)(model, ids)
+print(jax.typeof(logits).sharding.spec)                # PartitionSpec('data', None, 'model')
+# --- end of the example ---
+assert tuple(jax.typeof(logits).sharding.spec) == ("data", None, "model"), jax.typeof(logits)
+
+
+def copy_weights(model, reference):
+  """The reference's weights, laid out as the model's."""
+  state = nnx.state(model)
+  values = jax.tree.map(lambda s, r: jax.device_put(r, s.sharding), nnx.to_pure_dict(state),
+                        nnx.to_pure_dict(nnx.state(reference)))
+  nnx.replace_by_pure_dict(state, values)
+  nnx.update(model, state)
+
+
+def loss_and_grads(model, *args):
+  cotangent = jax.random.normal(jax.random.key(1), (4, 24, 64))
+
+  @nnx.jit
+  def run(model, *args):
+    def loss(model):
+      out = model(*args, **kwargs_of(model))
+      logits = out.logits if hasattr(out, "logits") else out
+      return jnp.sum(logits * cotangent), logits
+    return nnx.grad(loss, has_aux=True)(model)
+  grads, logits = run(model, *args)
+  return logits, nnx.to_flat_state(grads)
+
+
+def kwargs_of(model):
+  return dict(max_global=1) if isinstance(model, LongformerForMaskedLM) else {}
+
+
+def check(name, build, args, mesh, rules, arg_specs):
+  reference = build()
+  want_logits, want_grads = loss_and_grads(reference, *args)
+  with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+    model = build()
+    copy_weights(model, reference)
+    placed = [jax.device_put(a, s) for a, s in zip(args, arg_specs)]
+    logits, grads = loss_and_grads(model, *placed)
+  assert_close(logits, want_logits, 1e-5, f"{name} logits")
+  assert len(grads) == len(want_grads) > 10
+  worst = 0.0
+  for (path, g), (want_path, w) in zip(grads, want_grads):
+    assert path == want_path
+    assert_close(g[...], w[...], 1e-4, f"{name} grad {path}")
+    worst = max(worst, float(np.max(np.abs(np.asarray(g[...]) - np.asarray(w[...])))))
+  print(f"{name}: logits {float(np.max(np.abs(np.asarray(logits) - np.asarray(want_logits)))):.2g}, "
+        f"grads {worst:.2g}")
+
+
+tp_rules = rules
+fsdp_rules = (("vocab", None), ("heads", None), ("mlp", None), ("embed", "data"), ("kv", None),
+              ("norm", None))
+auto_mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+masked_lm = lambda: LongformerForMaskedLM(config, rngs=nnx.Rngs(0))
+char_config = CharLMConfig.tiny(vocab_size=64, hidden_dropout_prob=0.0, num_hidden_layers=2,
+                                 hidden_size=32, intermediate_size=64, attention_window=(2, 4))
+char_lm = lambda: LongformerForCausalLM(char_config, rngs=nnx.Rngs(0))
+mlm_args = (input_ids, np.ones((4, 24), np.int32), global_mask)
+mlm_specs = (P("data"), P("data"), P("data"))
+check("masked LM, Explicit, tensor parallel", masked_lm, mlm_args, mesh, tp_rules, mlm_specs)
+check("masked LM, Auto, tensor parallel", masked_lm, mlm_args, auto_mesh, tp_rules, mlm_specs)
+check("char LM, Explicit, FSDP", char_lm, (input_ids,), mesh, fsdp_rules, (P("data"),))
+print("ok")
+'''
+
+
+def test_on_four_devices():
+  root = Path(__file__).parents[1]
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+             JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}:{root / 'tests'}")
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
+                        text=True, timeout=900)
+  print(proc.stdout)
+  assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
+      proc.stdout[-3000:] + proc.stderr[-5000:])
