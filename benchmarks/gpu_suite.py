@@ -1,4 +1,4 @@
-"""Every GPU check and timing of issue #10 in one prepared run: correctness first, then speed.
+"""Every GPU check and timing in one prepared run: correctness first, then speed.
 
   python benchmarks/gpu_suite.py --out $OUT --budget-s 420     # an H200 session, < 8 minutes
   python benchmarks/gpu_suite.py --tiny --out /tmp/suite        # CPU: every section at toy sizes
@@ -1211,7 +1211,7 @@ class Report:
 
 
 def summarize(sections: dict) -> dict:
-  """Ratios that answer issue #10's questions, from whatever rows exist."""
+  """Ratios against the GPU targets (docs/pallas.md), from whatever rows exist."""
   summary = {}
   attn = [r for r in sections.get("attention", {}).get("rows", []) if r.get("status") == "ok"]
   by = {(r["impl"], r["variant"], r["seq"], r["batch"]): r for r in attn}
