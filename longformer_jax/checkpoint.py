@@ -31,12 +31,14 @@ with Adam) is never read, and damage there does not stop an evaluation.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import functools
 import gc
 import hashlib
 import importlib
+import inspect
 import json
 import logging
 import os
@@ -318,18 +320,38 @@ def _orbax_quiet():
     _exit_quiet()
 
 
+def _orbax_code(code) -> bool:
+  return f"{os.sep}orbax{os.sep}" in code.co_filename
+
+
 def _after_failure(error: BaseException) -> None:
-  """Collects, while still quiet, what a failed Orbax read or write abandoned.
+  """Settles, while still quiet, what a failed Orbax read or write abandoned.
 
   The frames of `error`'s traceback hold the abandoned coroutines and futures: their locals are
-  cleared (file names and line numbers stay) so that collecting them now drops their
-  "Event loop is closed" errors and "was never awaited" warnings here, not at some later point
-  in the caller's program.
+  cleared (file names and line numbers stay) and collected now. Orbax's own event loop keeps
+  other ones alive past this call (tasks that failed after the first error, coroutines it made
+  but never started), and those would report at some later point in the caller's program
+  ("Task exception was never retrieved", "coroutine ... was never awaited", at the latest when
+  the interpreter exits): their errors are marked as retrieved here and the coroutines closed.
+  Only Orbax's objects are touched: a task whose coroutine is Orbax's, a future whose error
+  was raised in Orbax, a coroutine whose code is Orbax's that never started.
   """
   traceback.clear_frames(error.__traceback__)
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
                             category=RuntimeWarning)
+    gc.collect()
+    for obj in gc.get_objects():
+      if isinstance(obj, asyncio.Future):
+        if not obj.done() or obj.cancelled():
+          continue
+        coro = obj.get_coro() if isinstance(obj, asyncio.Task) else None
+        if ((coro is not None and _orbax_code(getattr(coro, "cr_code", None) or coro.gi_code))
+            or _is_orphaned_error(obj.exception())):
+          obj.exception()  # marks the error as retrieved
+      elif (inspect.iscoroutine(obj) and _orbax_code(obj.cr_code)
+            and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED):
+        obj.close()
     gc.collect()
 
 
