@@ -2,8 +2,18 @@
 compiled-kernel test classes on an accelerator), and the `GRID` parametrization hook."""
 
 import os
+import pathlib
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the whole run, set in the environment so that the
+# command lines the tests start (training, evaluation, export in subprocesses) read and write it
+# too: the CLI tests run the same tiny programs many times, and a warm cache halves each run.
+# Every program is cached (no minimum compile time or size). Keyed by jax version, flags and
+# program, so a cache left by an earlier run on the same machine is safe to reuse.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(pathlib.Path(__file__).resolve().parents[1] / ".cache" / "jax-tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
@@ -19,23 +29,13 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture(scope="module")
-def quick_compilation(tmp_path_factory):
+def quick_compilation():
   """For one module (`pytestmark = pytest.mark.usefixtures("quick_compilation")`): XLA's cheaper
   optimisation level (a third of a tiny train step's compile time on a CPU; tiny models run fast
-  either way) and a persistent compilation cache in a directory of that module, so that a
-  resumed run, an evaluation-only run and the checkpoint checksums read back the programs an
-  earlier run of the module compiled. The settings are restored after."""
-  # pylint: disable-next=g-import-not-at-top
-  from jax.experimental.compilation_cache import compilation_cache as cc
-  settings = {"jax_disable_most_optimizations": True,
-              "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
-              "jax_persistent_cache_min_compile_time_secs": 0,
-              "jax_persistent_cache_min_entry_size_bytes": -1}
-  old = {name: jax.config.values[name] for name in settings}
-  cc.reset_cache()
-  for name, value in settings.items():
-    jax.config.update(name, value)
+  either way). Programs land in the run's persistent compilation cache (above), so a resumed
+  run, an evaluation-only run and the checkpoint checksums read back the programs an earlier
+  test compiled. The setting is restored after."""
+  old = jax.config.values["jax_disable_most_optimizations"]
+  jax.config.update("jax_disable_most_optimizations", True)
   yield
-  cc.reset_cache()
-  for name, value in old.items():
-    jax.config.update(name, value)
+  jax.config.update("jax_disable_most_optimizations", old)

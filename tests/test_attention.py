@@ -19,6 +19,9 @@ from testing import TOLERANCE_VS_FLOAT32, seed_of, tolerance
 from testing import AttentionCase as Case
 from testing import make_attention_inputs as make_inputs
 
+# Compile time dominates these tiny shapes: XLA's cheaper optimisation level (conftest.py).
+pytestmark = pytest.mark.usefixtures("quick_compilation")
+
 
 def _grid():
   """A grid of cases, each seeded by `seed_of(case)` (stable across processes): block
@@ -73,7 +76,9 @@ class TestChunked:
       out = ops.longformer_attention(q, k, v, global_qkv=global_qkv, impl=impl, **kwargs)
       return jnp.sum(out * cotangent), out
 
-    grad_fn = jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True)
+    # One program per implementation (run eagerly, every primitive compiles on its own: 2-3x
+    # the time); the masks are constants of it, as in an eager call.
+    grad_fn = jax.jit(jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True), static_argnums=0)
     grads_ref, out_ref = grad_fn("reference", q, k, v, global_qkv)
     grads, out = grad_fn(self.IMPL, q, k, v, global_qkv)
     np.testing.assert_allclose(out, out_ref, atol=1e-5, rtol=1e-5)

@@ -9,7 +9,11 @@ tolerances as the chunked path. Only the subclass is defined here (importing the
 class, so pytest does not collect the chunked suite twice).
 """
 
+import pytest
+
 import test_attention
+
+pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
 
 
 class TestPallas(test_attention.TestChunked):

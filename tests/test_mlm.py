@@ -130,12 +130,16 @@ def test_roberta_vocab_and_merges_load_as_the_same_tokenizer(tokenizer, tmp_path
   assert tokenized.special_ids(loaded) == tokenized.special_ids(tokenizer)
 
 
-def test_a_tfds_source_gives_the_same_documents():
+def test_a_tfds_source_gives_the_same_documents(tmp_path):
+  """In a data directory of its own: the project's builder is prepared on first use (whatever
+  other tests prepared elsewhere); a TFDS dataset that is not prepared is named as such."""
   pytest.importorskip("tensorflow_datasets")
-  assert (tokenized.text_of("tfds:enwik8_sample:bytes", "validation")
-          == tokenized.text_of("enwik8_sample", "validation"))
+  assert (tokenized.text_of("tfds:enwik8_sample:bytes", "validation", data_dir=tmp_path)
+          == tokenized.text_of("enwik8_sample", "validation", data_dir=tmp_path))
   with pytest.raises(ValueError, match="has no feature 'text'; its features: \\['bytes'"):
-    tokenized.text_of("tfds:enwik8_sample", "validation")
+    tokenized.text_of("tfds:enwik8_sample", "validation", data_dir=tmp_path)
+  with pytest.raises(FileNotFoundError, match="tfds:mnist is not prepared in"):
+    tokenized.text_of("tfds:mnist", "validation", data_dir=tmp_path)
 
 
 def _bias_only_model(vocab_size: int, bias: np.ndarray) -> LongformerForMaskedLM:

@@ -1,7 +1,9 @@
 """Models on meshes with Explicit axes (`jax.make_mesh`'s default) and with Auto axes, on 4
 simulated CPU devices: forward and every parameter gradient equal the unsharded model's (1e-5 /
-1e-4, float32), with tensor-parallel rules (heads, mlp and vocab over 'model', batch over 'data')
-and FSDP rules (`embed` over 'data'). The docs' sharding example is part of the script, verbatim.
+1e-4, float32), with tensor-parallel rules (heads, mlp and vocab over 'model', batch over 'data'),
+FSDP rules (`embed` over 'data') and data-parallel ones (every parameter replicated, the batch over
+4 devices): every encoder head, the char LM and LED (conditional generation and question
+answering). The docs' sharding example is part of the script, verbatim.
 
 The process has one CPU device, so `test_on_four_devices` reruns the script below in a
 subprocess with `--xla_force_host_platform_device_count=4`.
@@ -15,10 +17,15 @@ import sys
 from pathlib import Path
 
 _SCRIPT = r'''
+import dataclasses
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
-from longformer_jax import CharLMConfig, LongformerConfig, LongformerForCausalLM, LongformerForMaskedLM
+from longformer_jax import (
+    CharLMConfig, LEDConfig, LEDForConditionalGeneration, LEDForQuestionAnswering,
+    LongformerConfig, LongformerForCausalLM, LongformerForMaskedLM, LongformerForMultipleChoice,
+    LongformerForQuestionAnswering, LongformerForSequenceClassification,
+    LongformerForTokenClassification, LongformerModel)
 from testing import assert_close
 
 jax.config.update("jax_disable_most_optimizations", True)  # compile time: tiny models
@@ -54,32 +61,35 @@ def copy_weights(model, reference):
   nnx.update(model, state)
 
 
-def loss_and_grads(model, *args):
-  cotangent = jax.random.normal(jax.random.key(1), (4, 24, 64))
+def outputs(out):
+  """The output array(s) of any head, as one array."""
+  if hasattr(out, "start_logits"):
+    return jnp.stack([out.start_logits, out.end_logits], -1)
+  if hasattr(out, "last_hidden_state"):
+    return out.last_hidden_state
+  return out.logits if hasattr(out, "logits") else out
 
+
+def loss_and_grads(model, *args, **kwargs):
   @nnx.jit
   def run(model, *args):
     def loss(model):
-      out = model(*args, **kwargs_of(model))
-      logits = out.logits if hasattr(out, "logits") else out
+      logits = outputs(model(*args, **kwargs))
+      cotangent = jax.random.normal(jax.random.key(1), logits.shape)
       return jnp.sum(logits * cotangent), logits
     return nnx.grad(loss, has_aux=True)(model)
   grads, logits = run(model, *args)
   return logits, nnx.to_flat_state(grads)
 
 
-def kwargs_of(model):
-  return dict(max_global=1) if isinstance(model, LongformerForMaskedLM) else {}
-
-
-def check(name, build, args, mesh, rules, arg_specs):
+def check(name, build, args, mesh, rules, arg_specs, **kwargs):
   reference = build()
-  want_logits, want_grads = loss_and_grads(reference, *args)
+  want_logits, want_grads = loss_and_grads(reference, *args, **kwargs)
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
     model = build()
     copy_weights(model, reference)
     placed = [jax.device_put(a, s) for a, s in zip(args, arg_specs)]
-    logits, grads = loss_and_grads(model, *placed)
+    logits, grads = loss_and_grads(model, *placed, **kwargs)
   assert_close(logits, want_logits, 1e-5, f"{name} logits")
   assert len(grads) == len(want_grads) > 10
   worst = 0.0
@@ -94,16 +104,54 @@ def check(name, build, args, mesh, rules, arg_specs):
 tp_rules = rules
 fsdp_rules = (("vocab", None), ("heads", None), ("mlp", None), ("embed", "data"), ("kv", None),
               ("norm", None))
+dp_rules = tuple((name, None) for name, _ in tp_rules)  # every parameter replicated
 auto_mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+dp_mesh = jax.make_mesh((4,), ("data",), axis_types=(AxisType.Explicit,))
+mask = np.ones((4, 24), np.int32)
+mask[1, 18:] = 0
+encoder_args, encoder_specs = (input_ids, mask, global_mask), (P("data"),) * 3
+
 masked_lm = lambda: LongformerForMaskedLM(config, rngs=nnx.Rngs(0))
+check("masked LM, Explicit, tensor parallel", masked_lm, encoder_args, mesh, tp_rules,
+      encoder_specs, max_global=1)
+check("masked LM, Auto, tensor parallel", masked_lm, encoder_args, auto_mesh, tp_rules,
+      encoder_specs, max_global=1)
+check("masked LM, Explicit, FSDP", masked_lm, encoder_args, mesh, fsdp_rules, encoder_specs,
+      max_global=1)
+# The other heads on one (dilated) layer: the encoder's sharding is checked above, what is new
+# is each head's parameters and outputs.
+head_config = dataclasses.replace(config, num_hidden_layers=1, attention_window=3,
+                                  attention_dilation=((1, 2, 1, 2),))
+for head in (LongformerModel, LongformerForSequenceClassification,
+             LongformerForQuestionAnswering, LongformerForTokenClassification):
+  check(f"{head.__name__}, Explicit, tensor parallel",
+        lambda: head(head_config, rngs=nnx.Rngs(0)), encoder_args, mesh, tp_rules,
+        encoder_specs, max_global=1)
+choices = lambda x: x.reshape(2, 2, 24)  # [batch 2, choices 2, seq]
+check("LongformerForMultipleChoice, Explicit, tensor parallel",
+      lambda: LongformerForMultipleChoice(head_config, rngs=nnx.Rngs(0)),
+      tuple(map(choices, encoder_args)), mesh, tp_rules, (P("data"),) * 3, max_global=1)
+
 char_config = CharLMConfig.tiny(vocab_size=64, hidden_dropout_prob=0.0, num_hidden_layers=2,
                                  hidden_size=32, intermediate_size=64, attention_window=(2, 4))
 char_lm = lambda: LongformerForCausalLM(char_config, rngs=nnx.Rngs(0))
-mlm_args = (input_ids, np.ones((4, 24), np.int32), global_mask)
-mlm_specs = (P("data"), P("data"), P("data"))
-check("masked LM, Explicit, tensor parallel", masked_lm, mlm_args, mesh, tp_rules, mlm_specs)
-check("masked LM, Auto, tensor parallel", masked_lm, mlm_args, auto_mesh, tp_rules, mlm_specs)
 check("char LM, Explicit, FSDP", char_lm, (input_ids,), mesh, fsdp_rules, (P("data"),))
+check("char LM, Auto, tensor parallel", char_lm, (input_ids,), auto_mesh, tp_rules, (P("data"),))
+
+led_config = LEDConfig.tiny(dropout=0.0)
+decoder_ids = rng.integers(3, 64, (4, 10)).astype(np.int32)
+decoder_mask = np.ones((4, 10), np.int32)
+decoder_mask[2, 7:] = 0
+led_args = (input_ids, mask, decoder_ids, decoder_mask)
+led_specs = (P("data"),) * 4
+led = lambda: LEDForConditionalGeneration(led_config, rngs=nnx.Rngs(0))
+check("LED, Explicit, tensor parallel", led, led_args, mesh, tp_rules, led_specs,
+      global_attention_mask=global_mask, max_global=1)
+check("LED, Auto, FSDP", led, led_args, auto_mesh, fsdp_rules, led_specs,
+      global_attention_mask=global_mask, max_global=1)
+check("LED question answering, Explicit, data parallel (4)",
+      lambda: LEDForQuestionAnswering(led_config, rngs=nnx.Rngs(0)), led_args, dp_mesh, dp_rules,
+      led_specs, global_attention_mask=global_mask, max_global=1)
 print("ok")
 '''
 

@@ -3,6 +3,7 @@ differences, verdict), its PNG, and bad arguments refused with the value named."
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +19,14 @@ TOY = ["--vocab", "300", "--hidden", "16", "--layers", "1", "--heads", "2", "--s
 
 def _run(*args):
   return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                        cwd=ROOT, timeout=600, env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin"})
+                        cwd=ROOT, timeout=600, env=_ENV)
+
+
+# A bare environment (the script must not depend on the caller's), plus the test run's
+# compilation cache (tests/conftest.py) and XLA's cheaper optimisation level: toy sizes.
+_ENV = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
+        **{k: v for k, v in os.environ.items() if k.startswith("JAX_PERSISTENT_CACHE")
+           or k == "JAX_COMPILATION_CACHE_DIR"}}
 
 
 def test_toy_study_writes_every_arm_seed_and_the_verdict(tmp_path):

@@ -24,6 +24,9 @@ from testing import AttentionCase as Case
 from testing import make_attention_inputs as make_inputs
 from testing import rerun_on_devices, seed_of
 
+# Compile time dominates (conftest.py); the 8-device rerun of this module uses it too.
+pytestmark = pytest.mark.usefixtures("quick_compilation")
+
 DEVICES = 8
 
 if jax.device_count() < DEVICES:

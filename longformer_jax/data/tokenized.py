@@ -220,13 +220,20 @@ def _tfds_documents(spec: str, split: str, data_dir) -> list[str]:
   try:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
     # The project's own builders (enwik8_sample, ...) become TFDS names.
-    importlib.import_module("longformer_jax.data.builders")
+    builders = importlib.import_module("longformer_jax.data.builders")
   except ImportError as e:
     raise ImportError(f"text source tfds:{spec} needs tensorflow-datasets and array_record "
                       f"(pip install tensorflow-datasets array_record)") from e
   name, _, field = spec.partition(":")
   field = field or "text"
-  builder = tfds.builder(name, data_dir=data_dir)
+  if name in builders.BUILDERS:  # the project's own: prepared from local files when missing
+    builder = builders.prepare(name, data_dir=data_dir)
+  else:
+    builder = tfds.builder(name, data_dir=data_dir)
+    if not builder.is_prepared():
+      raise FileNotFoundError(f"tfds:{name} is not prepared in {builder.data_dir}: prepare it "
+                              f"first (tfds build {name}, or tfds.builder({name!r})"
+                              ".download_and_prepare()), or pass its data_dir")
   available = set(builder.info.splits)
   if split in available:
     chosen = split
