@@ -25,6 +25,9 @@ from hf_testing import randomise_  # pylint: disable=wrong-import-position
 from longformer_jax import LEDConfig, convert, led
 from longformer_jax.layers import LOGICAL_AXES
 
+# Tiny models: compile time dominates (conftest.py).
+pytestmark = pytest.mark.usefixtures("quick_compilation")
+
 ATOL = 1e-5
 VOCAB, BATCH, ENC_LEN, DEC_LEN = 48, 3, 21, 7
 ENC_LENGTHS, DEC_LENGTHS = (21, 15, 6), (7, 7, 5)
