@@ -324,6 +324,13 @@ def _orbax_code(code) -> bool:
   return f"{os.sep}orbax{os.sep}" in code.co_filename
 
 
+def _runs_orbax_code(future: asyncio.Future) -> bool:
+  """Whether `future` is a task whose coroutine is Orbax's."""
+  coro = future.get_coro() if isinstance(future, asyncio.Task) else None
+  code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
+  return code is not None and _orbax_code(code)
+
+
 def _after_failure(error: BaseException) -> None:
   """Settles, while still quiet, what a failed Orbax read or write abandoned.
 
@@ -333,25 +340,32 @@ def _after_failure(error: BaseException) -> None:
   but never started), and those would report at some later point in the caller's program
   ("Task exception was never retrieved", "coroutine ... was never awaited", at the latest when
   the interpreter exits): their errors are marked as retrieved here and the coroutines closed.
-  Only Orbax's objects are touched: a task whose coroutine is Orbax's, a future whose error
-  was raised in Orbax, a coroutine whose code is Orbax's that never started.
+  Only Orbax's objects are touched: futures on the event loop of a task whose coroutine is
+  Orbax's, futures whose error was raised in Orbax, coroutines of Orbax's code that never
+  started.
   """
   traceback.clear_frames(error.__traceback__)
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
                             category=RuntimeWarning)
     gc.collect()
-    for obj in gc.get_objects():
-      if isinstance(obj, asyncio.Future):
-        if not obj.done() or obj.cancelled():
-          continue
-        coro = obj.get_coro() if isinstance(obj, asyncio.Task) else None
-        if ((coro is not None and _orbax_code(getattr(coro, "cr_code", None) or coro.gi_code))
-            or _is_orphaned_error(obj.exception())):
-          obj.exception()  # marks the error as retrieved
-      elif (inspect.iscoroutine(obj) and _orbax_code(obj.cr_code)
-            and inspect.getcoroutinestate(obj) == inspect.CORO_CREATED):
-        obj.close()
+    objects = gc.get_objects()
+    # Orbax runs its own event loop: a loop that runs an Orbax coroutine is Orbax's, and so are
+    # the futures on it (e.g. the `gather` of its writes).
+    futures = [f for f in objects if isinstance(f, asyncio.Future) and f.done()
+               and not f.cancelled()]
+    orbax_loops = {id(f.get_loop()) for f in futures if _runs_orbax_code(f)}
+    for future in futures:
+      # `_exception` reads the error without marking it retrieved (`exception()` does): the
+      # caller's own futures keep reporting theirs.
+      leftover = getattr(future, "_exception", None)
+      if leftover is not None and (id(future.get_loop()) in orbax_loops
+                                   or _raised_in_orbax(leftover)):
+        future.exception()  # marks the error as retrieved
+    for coro in objects:
+      if (inspect.iscoroutine(coro) and _orbax_code(coro.cr_code)
+          and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED):
+        coro.close()
     gc.collect()
 
 

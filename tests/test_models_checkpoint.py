@@ -3,6 +3,7 @@ states, whose parameters load without the optimizer state."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 
 import jax
@@ -138,3 +139,20 @@ def test_load_params_of_a_model_checkpoint(tmp_path):
                       nnx.state(model, nnx.Param))
   with pytest.raises(FileNotFoundError, match="no checkpoint under"):
     checkpoint.load_params(tmp_path / "nothing", abstract)
+
+
+def test_settling_a_failed_orbax_call_leaves_the_callers_futures_alone():
+  """After a failed Orbax call, `_after_failure` marks as retrieved only the errors raised in
+  Orbax; a future of the caller's own with an unretrieved error still reports it."""
+  loop = asyncio.new_event_loop()
+  try:
+    mine = loop.create_future()
+    mine.set_exception(ValueError("the caller's"))
+    try:
+      raise RuntimeError("a failed save")
+    except RuntimeError as e:
+      checkpoint._after_failure(e)  # pylint: disable=protected-access
+    assert mine._log_traceback  # pylint: disable=protected-access
+    mine.exception()  # retrieved here, so nothing is printed when the test ends
+  finally:
+    loop.close()
