@@ -71,6 +71,7 @@ case "$cmd" in
     # when JAX_PLATFORMS is unset; JAX_PLATFORMS=cpu (the tests' setting) avoids them.
     ensure_venv test,torch,tpu
     "$VENV/bin/python" -c 'import jax, flax, sys; print(f"[run.sh] python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
+    "$VENV/bin/python" -m ruff check .
     exec "$VENV/bin/python" -m pytest -n 2 --dist loadscope "$@"
     ;;
   bench)

@@ -1,7 +1,7 @@
 """Band attention speed and memory, every implementation side by side in one process.
 
   python benchmarks/attention.py                      # ours vs dense, batch 1, seq 1K..64K
-  python benchmarks/attention.py --peers              # + pallas, cuDNN, torch flex / HF (if importable)
+  python benchmarks/attention.py --peers   # + pallas, cuDNN, torch flex / HF (if importable)
   python benchmarks/attention.py --seqs 1024 4096 --reps 3 --out benchmarks/results
 
 Shapes follow docs/design.md §6: 12 heads, head_dim 64, one-sided window 256. Each implementation's
@@ -27,13 +27,13 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from longformer_jax import ops  # noqa: E402
+from longformer_jax import ops
 
 
 @dataclasses.dataclass(frozen=True)

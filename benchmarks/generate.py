@@ -60,7 +60,7 @@ ROLES = ("checkpoint",) + PEERS
 
 
 def make_config(args):
-  from longformer_jax import LEDConfig  # pylint: disable=import-outside-toplevel
+  from longformer_jax import LEDConfig
   positions = max(16384, args.input_len)
   if args.small:
     return LEDConfig(d_model=256, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
@@ -70,7 +70,7 @@ def make_config(args):
 
 
 def make_inputs(args, vocab_size: int):
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   rng = np.random.default_rng(args.seed)
   ids = rng.integers(4, vocab_size, (args.batch, args.input_len))
   ids[:, 0], ids[:, -1] = 0, 2  # <s> ... </s>
@@ -81,10 +81,10 @@ def make_inputs(args, vocab_size: int):
 
 def write_checkpoint(args, directory: str) -> None:
   """Random weights (ours, seeded), EOS pushed down, saved as an HF checkpoint."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from flax import nnx
 
-  from longformer_jax import convert, led  # pylint: disable=import-outside-toplevel
+  from longformer_jax import convert, led
   config = make_config(args)
   model = led.LEDForConditionalGeneration(config, rngs=nnx.Rngs(args.seed))
   bias = model.final_logits_bias
@@ -116,8 +116,8 @@ def timed(fn, reps: int, warmup: int) -> tuple[float, float, object]:
 
 
 def run_hf(args, directory: str) -> dict:
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   device = "cuda" if torch.cuda.is_available() else "cpu"
   model = transformers.LEDForConditionalGeneration.from_pretrained(directory).to(device).eval()
   ids, mask, global_mask = (torch.tensor(x, device=device)
@@ -152,12 +152,12 @@ def run_hf(args, directory: str) -> dict:
 
 
 def run_jax(args, directory: str, bf16: bool) -> dict:
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
 
-  from longformer_jax import convert, led  # pylint: disable=import-outside-toplevel
+  from longformer_jax import convert, led
   model = convert.from_hf(directory)
   if bf16:  # the same float32 parameters, bf16 compute
     float32 = model
@@ -193,7 +193,7 @@ def run_jax(args, directory: str, bf16: bool) -> dict:
 
 def agreement(ours: list, theirs: list) -> tuple[bool, float, str]:
   """(equal, fraction of equal tokens, where the first difference is)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   a, b = np.asarray(ours), np.asarray(theirs)
   if a.shape != b.shape:
     width = min(a.shape[1], b.shape[1])
@@ -277,7 +277,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_peer(args) -> None:
-  from longformer_jax.io import atomic_write  # pylint: disable=import-outside-toplevel
+  from longformer_jax.io import atomic_write
   if args.peer == "checkpoint":
     write_checkpoint(args, args.checkpoint)
     return
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
   if args.peer:
     run_peer(args)
     return 0
-  from longformer_jax.io import atomic_write  # pylint: disable=import-outside-toplevel
+  from longformer_jax.io import atomic_write
   peers = ([] if args.no_hf else ["hf_transformers"]) + ["longformer_jax"] + (
       ["longformer_jax_bf16"] if args.bf16 else [])
   config = make_config(args)

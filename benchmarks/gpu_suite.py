@@ -153,7 +153,7 @@ TINY_SIZES = Sizes(
 
 
 def jax_backend() -> str:
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   return jax.default_backend()
 
 
@@ -187,8 +187,8 @@ def _check_hash_size(shape) -> int:
 
 def hashed_jax(shape, seed: int, dtype):
   """Uniform on [-2, 2) (std 1.15) in `dtype`, the same bits as `hashed_torch`."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jax import lax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from jax import lax
   h = lax.iota(jnp.int32, _check_hash_size(shape)) ^ jnp.int32(_seed_mix(seed))
   for _ in range(2):
     h = (h * jnp.int32(_HASH_MUL)) & 0x7FFFFFFF
@@ -198,7 +198,7 @@ def hashed_jax(shape, seed: int, dtype):
 
 
 def hashed_torch(shape, seed: int, dtype, device):
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   h = torch.arange(_check_hash_size(shape), dtype=torch.int32, device=device) ^ _seed_mix(seed)
   for _ in range(2):
     h = (h * _HASH_MUL) & 0x7FFFFFFF
@@ -214,7 +214,7 @@ def digest(bit_arrays) -> str:
 
 def digest_jax(*arrays) -> str:
   """`digest` of the first and last 4096 elements of each (flattened) jax array."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   bits = []
   for x in arrays:
     flat = x.reshape(-1)
@@ -225,7 +225,7 @@ def digest_jax(*arrays) -> str:
 
 def digest_torch(*tensors) -> str:
   """`digest_jax` of torch tensors."""
-  import torch  # pylint: disable=import-outside-toplevel
+  import torch
   bits = []
   for x in tensors:
     flat = x.detach().reshape(-1)
@@ -237,7 +237,7 @@ def digest_torch(*tensors) -> str:
 
 def compared_rows(seq: int):
   """Sequence positions on which peer outputs are compared (numpy int64, sorted)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   edge = min(PEER_ROWS_EDGE, seq)
   return np.unique(np.concatenate([np.arange(edge), np.arange(seq - edge, seq),
                                    np.arange(0, seq, PEER_ROWS_STRIDE)]))
@@ -246,7 +246,7 @@ def compared_rows(seq: int):
 def compare_outputs(expected, got, tolerance: float) -> dict:
   """The peer check: max |got - expected| (float32 numpy arrays, same shape) against
   `tolerance` x max(1, max |expected|). Returns dict(max_abs_diff, limit, ok)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   if expected.shape != got.shape:
     return dict(max_abs_diff=None, limit=None, ok=False,
                 error=f"shape {got.shape} != expected {expected.shape}")
@@ -308,7 +308,7 @@ def _json_default(x):
 
 def _errors(got, want) -> dict:
   """Max |got - want| / max(1, max |want|) per named leaf (float32 numpy)."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
+  import numpy as np
   out = {}
   for name, a, b in zip(got, got.values(), want.values()):
     if a is None:
@@ -324,11 +324,11 @@ def _errors(got, want) -> dict:
 
 
 def section_correctness(rec: Recorder, sizes: Sizes, args) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import pallas_gpu_check  # pylint: disable=import-outside-toplevel
-  from longformer_jax import ops  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import pallas_gpu_check
+  from longformer_jax import ops
 
   interpret = jax.default_backend() == "cpu"
   rec.log(f"band kernel vs dense reference ({'interpret mode' if interpret else 'compiled'})")
@@ -383,7 +383,7 @@ def section_correctness(rec: Recorder, sizes: Sizes, args) -> None:
       rec.row(status="ok" if ok and padded_zero else "failed", tolerance=tol, errors=errors,
               padding_rows_zero=padded_zero, **what)
       rec.log(f"op {what['dtype']} causal={causal}: {'ok' if ok else 'FAILED'} {errors}")
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       traceback.print_exc()
       rec.row(status="failed", error=f"{type(e).__name__}: {str(e)[:400]}", **what)
     rec.cost("op", time.time() - started)
@@ -396,14 +396,14 @@ def section_correctness(rec: Recorder, sizes: Sizes, args) -> None:
 def compile_aot(fn, args):
   """(fn compiled once ahead of time, its peak bytes or None): the one compile serves the
   output check and the timing."""
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   compiled = jax.jit(fn).lower(*args).compile()
   peak = None
   try:
     stats = compiled.memory_analysis()
     peak = int(stats.argument_size_in_bytes + stats.output_size_in_bytes
                + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
-  except Exception:  # pylint: disable=broad-except  # not every backend reports it
+  except Exception:  # not every backend reports it
     pass
   return compiled, peak
 
@@ -411,9 +411,9 @@ def compile_aot(fn, args):
 def _attention_fns(impl: str, shape, num_global: int):
   """(forward, grad of sum(out)) of ours, taking (q, k, v, global_mask) as arguments (a global
   mask closed over as a constant makes XLA constant-fold its sort for seconds)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from longformer_jax import ops  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  from longformer_jax import ops
 
   def fwd(q, k, v, global_mask):
     kwargs = dict(window=shape.window, dilation=shape.dilation, causal=shape.causal, impl=impl)
@@ -426,7 +426,7 @@ def _attention_fns(impl: str, shape, num_global: int):
 
 
 def attention_inputs(shape, dtype):
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
   dims = (shape.batch, shape.seq, shape.heads, shape.head_dim)
   q, k, v = (hashed_jax(dims, seed, dtype) for seed in (1, 2, 3))
   global_mask = jnp.zeros((shape.batch, shape.seq), bool).at[:, :shape.globals_].set(True)
@@ -436,8 +436,8 @@ def attention_inputs(shape, dtype):
 def time_attention(impl: str, shape, dtype, reps: int, expected=None,
                    tolerance: float = 0.0) -> tuple[dict, object]:
   """Times one of our rows; returns (row fields, forward output)."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from attention import median_ms  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
+  from attention import median_ms
   args = attention_inputs(shape, dtype)
   fwd_fn, grad_fn = _attention_fns(impl, shape, shape.globals_)
   fwd, _ = compile_aot(fwd_fn, args)
@@ -456,8 +456,8 @@ def time_attention(impl: str, shape, dtype, reps: int, expected=None,
 
 
 def section_attention(rec: Recorder, sizes: Sizes, args) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
-  from attention import Shape  # pylint: disable=import-outside-toplevel
+  import jax
+  from attention import Shape
 
   gpu = jax.default_backend() == "gpu"
   heads, head_dim, window = sizes.attn
@@ -489,7 +489,7 @@ def section_attention(rec: Recorder, sizes: Sizes, args) -> None:
           rec.row(status="ok", **what, **row)
           rec.log(f"{impl:8s} {label:16s} {seq:6d} x {batch}: fwd {row['ms_fwd']:8.3f} ms, "
                   f"fwd+bwd {row['ms_fwdbwd']:8.3f} ms ({row['tflops_fwdbwd']} TFLOP/s on P)")
-        except Exception as e:  # pylint: disable=broad-except  # e.g. out of memory: recorded
+        except Exception as e:  # e.g. out of memory: recorded
           rec.row(status="failed", error=f"{type(e).__name__}: {str(e)[:400]}", **what)
           rec.log(f"{impl} {label} {seq} x {batch} failed: {type(e).__name__}: {str(e)[:200]}")
         rec.cost(impl, time.time() - started)
@@ -500,7 +500,7 @@ def section_attention(rec: Recorder, sizes: Sizes, args) -> None:
 
 
 def section_model(rec: Recorder, sizes: Sizes, args) -> None:
-  import model as model_bench  # pylint: disable=import-outside-toplevel
+  import model as model_bench
 
   shapes = [f"{s}x{b}" for s, b in sizes.model_shapes]
   hf_dir = pathlib.Path(args.out) / "gpu_suite_parts" / "hf_model"
@@ -540,7 +540,7 @@ def section_model(rec: Recorder, sizes: Sizes, args) -> None:
     check = model_bench.check_full_attention(model_bench.make_config(margs, 128))
     rec.note(full_attention_check=check)
     rec.log(f"full-attention swap check: {check}")
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     rec.note(full_attention_check=f"{type(e).__name__}: {str(e)[:300]}")
   trace_dir = str(pathlib.Path(args.out) / "trace")
   # The masked head and the full-attention model at every shape first, then the full head.
@@ -564,7 +564,7 @@ def section_model(rec: Recorder, sizes: Sizes, args) -> None:
       mfu = "" if record["mfu"] is None else f", MFU {100 * record['mfu']:.1f}%"
       rec.log(f"{record['impl']} {seq} x {batch}: {record['ms_step']:.1f} ms/step, "
               f"{record['tokens_per_s']:,.0f} tokens/s{mfu}")
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       traceback.print_exc()
       rec.row(status="failed", error=f"{type(e).__name__}: {str(e)[:400]}", **what)
     gc.collect()  # the last row's model and optimizer state (nnx graphs hold cycles)
@@ -590,8 +590,8 @@ def window_candidates(window: int) -> dict:
 
 def dense_reference(q, k, v, lo, hi):
   """float32 attention of q, k, v with key - query in [lo, hi] (None: unbounded), dense."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
   n = q.shape[1]
   offset = jnp.arange(n)[None, :] - jnp.arange(n)[:, None]
   keep = jnp.ones((n, n), bool)
@@ -660,9 +660,8 @@ def cudnn_verdict(reproduce: dict, semantics: dict, divergence: dict, window: in
 
 
 def section_cudnn(rec: Recorder, sizes: Sizes, args) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  # pylint: disable-next=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
   from cudnn_window_repro import blockwise_reference, cudnn_sliding
 
   gpu = jax.default_backend() == "gpu"
@@ -701,7 +700,7 @@ def section_cudnn(rec: Recorder, sizes: Sizes, args) -> None:
       result = fn()
       rec.row(kind=kind, status="ok", **what, **result)
       return result
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       rec.row(kind=kind, status="failed", error=f"{type(e).__name__}: {str(e)[:400]}", **what)
       return dict(error=f"{type(e).__name__}: {str(e)[:400]}")
     finally:
@@ -797,11 +796,11 @@ def section_cudnn(rec: Recorder, sizes: Sizes, args) -> None:
 
 
 def section_peers(rec: Recorder, sizes: Sizes, args) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from attention import Shape  # pylint: disable=import-outside-toplevel
-  from longformer_jax import ops  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from attention import Shape
+  from longformer_jax import ops
 
   gpu = jax.default_backend() == "gpu"
   heads, head_dim, window = sizes.attn
@@ -881,9 +880,9 @@ def section_peers(rec: Recorder, sizes: Sizes, args) -> None:
 
 
 def cudnn_row(rec, what, q, k, v, ours_out, window, tol, reps, shape) -> None:
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from attention import median_ms  # pylint: disable=import-outside-toplevel
+  import jax
+  import jax.numpy as jnp
+  from attention import median_ms
   fwd_fn = lambda q, k, v: jax.nn.dot_product_attention(
       q, k, v, is_causal=True, local_window_size=(window, 0), implementation="cudnn")
   grad_fn = jax.grad(lambda q, k, v: jnp.sum(fwd_fn(q, k, v).astype(jnp.float32)),
@@ -903,7 +902,7 @@ def cudnn_row(rec, what, q, k, v, ours_out, window, tol, reps, shape) -> None:
     rec.row(status="ok", **check, **what, ms_fwd=ms_fwd, ms_fwdbwd=ms_fwdbwd, peak_bytes=peak,
             tflops_fwdbwd=round(shape.flops_fwdbwd() / (ms_fwdbwd * 1e-3) / 1e12, 3))
     rec.log(f"cuDNN causal {what['seq']} x {what['batch']}: fwd+bwd {ms_fwdbwd:.3f} ms")
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     rec.row(status="failed", error=f"{type(e).__name__}: {str(e)[:400]}", **what)
 
 
@@ -911,8 +910,8 @@ def cudnn_row(rec, what, q, k, v, ours_out, window, tol, reps, shape) -> None:
 
 
 def torch_child(spec_path: str) -> None:
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import torch  # pylint: disable=import-outside-toplevel
+  import numpy as np
+  import torch
   spec = json.loads(pathlib.Path(spec_path).read_text())
   cuda = torch.cuda.is_available()
   device = "cuda" if cuda else "cpu"
@@ -979,7 +978,7 @@ def torch_child(spec_path: str) -> None:
                  else seq * (2 * window + 1) - window * (window + 1))
         row["tflops_fwdbwd"] = round(14 * pairs * head_dim * heads * batch
                                      / (row["ms_fwdbwd"] * 1e-3) / 1e12, 3)
-      except Exception as e:  # pylint: disable=broad-except  # e.g. no backward on CPU
+      except Exception as e:  # e.g. no backward on CPU
         row["fwdbwd_error"] = f"{type(e).__name__}: {str(e)[:300]}"
       if cuda:
         row["peak_bytes"] = int(torch.cuda.max_memory_allocated())
@@ -987,7 +986,7 @@ def torch_child(spec_path: str) -> None:
       rec.row(**row)
       rec.log(f"{spec['peer']} {mode} {seq} x {batch}: max |diff| {check['max_abs_diff']:.3g}, "
               f"fwd {row['ms_fwd']:.3f} ms, fwd+bwd {row.get('ms_fwdbwd', 'n/a')} ms")
-    except Exception as e:  # pylint: disable=broad-except  # e.g. out of memory: recorded
+    except Exception as e:  # e.g. out of memory: recorded
       rec.row(status="failed", error=f"{type(e).__name__}: {str(e)[:400]}", **what)
       rec.log(f"{spec['peer']} {mode} {seq} x {batch} failed: {type(e).__name__}: {str(e)[:200]}")
     finally:
@@ -998,7 +997,6 @@ def torch_child(spec_path: str) -> None:
 
 def flex_peer(torch, q, k, v, window, causal, device):
   """flex_attention with a sliding-window block mask on [B, H, N, D] (compiled on CUDA)."""
-  # pylint: disable-next=import-outside-toplevel
   from torch.nn.attention.flex_attention import create_block_mask, flex_attention
   seq = q.shape[1]
 
@@ -1018,9 +1016,8 @@ def flex_peer(torch, q, k, v, window, causal, device):
 def hf_layer_peer(torch, x, heads, window, perm_k, perm_v, device, tdtype):
   """HF's LongformerSelfAttention (no dropout) with its query projection the identity and its
   key/value projections feature permutations (exact in any dtype), on hidden states x."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from transformers import LongformerConfig  # pylint: disable=import-outside-toplevel
-  # pylint: disable-next=import-outside-toplevel
+  import numpy as np
+  from transformers import LongformerConfig
   from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
   batch, seq, embed = x.shape
   cfg = LongformerConfig(hidden_size=embed, num_attention_heads=heads,
@@ -1047,8 +1044,8 @@ def hf_layer_peer(torch, x, heads, window, perm_k, perm_v, device, tdtype):
 
 
 def section_sweep(rec: Recorder, sizes: Sizes, args) -> None:
-  import block_sweep  # pylint: disable=import-outside-toplevel
-  from attention import Shape  # pylint: disable=import-outside-toplevel
+  import block_sweep
+  from attention import Shape
   budget = rec.deadline - time.time() - 5
   if budget < 5:
     rec.skipped(kind="sweep")
@@ -1075,14 +1072,14 @@ def run_section(args) -> None:
   sizes = TINY_SIZES if args.tiny else GPU_SIZES
   path = pathlib.Path(args.out) / "gpu_suite_parts" / f"{key}.jsonl"
   rec = Recorder(path, key, args.t0, args.deadline)
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
   rec.write(dict(type="meta", device=jax.devices()[0].device_kind, backend=jax.default_backend(),
                  jax=jax.__version__, started=time.time()))
   rec.log(f"started on {jax.devices()[0].device_kind}, {args.deadline - time.time():.0f} s")
   status = "done"
   try:
     SECTIONS[key](rec, sizes, args)
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     traceback.print_exc()
     status = "failed"
     rec.note(error=f"{type(e).__name__}: {str(e)[:600]}")
@@ -1197,7 +1194,7 @@ class Report:
                 summary=summary, sections=sections)
 
   def write(self, png: bool = False) -> dict:
-    from longformer_jax.io import atomic_write  # pylint: disable=import-outside-toplevel
+    from longformer_jax.io import atomic_write
     report = self.build()
     atomic_write(self.out / "gpu_suite.json", json.dumps(report, indent=1, default=_json_default)
                  + "\n")
@@ -1205,7 +1202,7 @@ class Report:
     if png:
       try:
         atomic_write(self.out / "gpu_suite.png", plot_png(report))
-      except Exception as e:  # pylint: disable=broad-except  # the numbers matter more
+      except Exception as e:  # the numbers matter more
         print(f"PNG not written: {type(e).__name__}: {e}", flush=True)
     return report
 
@@ -1309,7 +1306,7 @@ def markdown(report: dict) -> str:
     if name == "model":
       for r in rows:
         if r.get("trace"):
-          import model as model_bench  # pylint: disable=import-outside-toplevel
+          import model as model_bench
           out += ["", "```", model_bench.format_top_ops(r["trace"]), "```"]
     if notes:
       out += ["", "```", json.dumps(notes, indent=1, default=_json_default)[:6000], "```"]
@@ -1322,9 +1319,9 @@ def _seq(row) -> str:
 
 def plot_png(report: dict) -> bytes:
   """Four panels: attention fwd+bwd ms, model tokens/s (MFU), peers vs ours, sweep."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  import matplotlib.pyplot as plt
 
   sections = report["sections"]
   fig, axes = plt.subplots(2, 2, figsize=(14, 9))
@@ -1436,7 +1433,7 @@ def orchestrate(args) -> dict:
     while not stop.wait(MERGE_EVERY_S):
       try:
         write()
-      except Exception:  # pylint: disable=broad-except  # the next merge will do
+      except Exception:  # the next merge will do
         pass
 
   merger = threading.Thread(target=merge_periodically, daemon=True)

@@ -78,18 +78,18 @@ import traceback
 # front would leave HF too little (it peaks near 48 GB at base size, seq 4096, batch 8).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import nnx  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from attention import Shape  # noqa: E402  (benchmarks/attention.py: attended pairs, §2.5)
-from longformer_jax import LongformerConfig, LongformerForMaskedLM, convert  # noqa: E402
-from longformer_jax.io import atomic_write  # noqa: E402
-from longformer_jax.modeling import masked_positions  # noqa: E402
+from attention import Shape
+from longformer_jax import LongformerConfig, LongformerForMaskedLM, convert
+from longformer_jax.io import atomic_write
+from longformer_jax.modeling import masked_positions
 
 MASK_FRACTION = 0.15
 LEARNING_RATE = 1e-4
@@ -332,7 +332,7 @@ def bench_ours(config: LongformerConfig, args, row: str = "longformer_jax",
 def _event_key(event) -> str:
   try:
     stats = dict(event.stats)
-  except Exception:  # pylint: disable=broad-except
+  except Exception:
     stats = {}
   return str(stats.get("hlo_op") or event.name)
 
@@ -354,7 +354,7 @@ def top_ops(trace_dir: str, count: int = 15, since: float = 0.0, steps: int = 1)
     return dict(path=str(trace_dir), error="no .xplane.pb written under it")
   path = max(files, key=lambda p: p.stat().st_mtime)
   try:
-    from jax.profiler import ProfileData  # pylint: disable=import-outside-toplevel
+    from jax.profiler import ProfileData
     data = ProfileData.from_file(str(path))
     totals, source, layout = {}, None, {}
     for plane in data.planes:
@@ -383,7 +383,7 @@ def top_ops(trace_dir: str, count: int = 15, since: float = 0.0, steps: int = 1)
             entry = totals.setdefault(event.name, [0, 0.0])
             entry[0] += 1
             entry[1] += event.duration_ns
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     return dict(path=str(path), error=f"{type(e).__name__}: {str(e)[:200]}")
   if not totals:
     return dict(path=str(path), error="no op events found", planes=layout)
@@ -411,8 +411,8 @@ def format_top_ops(trace: dict) -> str:
 
 def import_torch():
   try:
-    import torch  # pylint: disable=import-outside-toplevel
-    import transformers  # pylint: disable=import-outside-toplevel
+    import torch
+    import transformers
   except ImportError as e:
     print(f"note: torch/transformers not importable ({e}); only our model is measured")
     return None, None
@@ -444,7 +444,7 @@ def check_agreement(config: LongformerConfig, torch, device: str) -> float:
 def bench_hf(config: LongformerConfig, args, torch, device: str):
   # Same config, random weights (no copy needed for timing); HF takes the total window.
   hf = convert.config_to_hf(config, "LongformerForMaskedLM")
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   model = transformers.LongformerForMaskedLM(hf).to(device)
   model.train()
   # fused AdamW on CUDA: HF's best single-GPU optimizer step, so the baseline is not handicapped.
@@ -475,7 +475,7 @@ def bench_hf(config: LongformerConfig, args, torch, device: str):
     raise FloatingPointError(f"HF training step gave loss {loss}")
   peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
   # Hand the memory back before our run: torch's caching allocator keeps it otherwise.
-  del model, optimizer, ids, global_mask, labels
+  model = optimizer = ids = global_mask = labels = None  # the closure `step` holds them too
   gc.collect()
   if device == "cuda":
     torch.cuda.empty_cache()

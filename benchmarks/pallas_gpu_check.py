@@ -39,8 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from longformer_jax.ops.band_pallas import BlockSizes, band_attention_pallas  # noqa: E402
-from longformer_jax.ops.band_reference import band_attention_reference  # noqa: E402
+from longformer_jax.ops.band_pallas import BlockSizes, band_attention_pallas
+from longformer_jax.ops.band_reference import band_attention_reference
 
 
 def attended_pairs(seq, window, causal):
@@ -151,7 +151,7 @@ def timing_row(impl, mode, fns, args, shape, window, iters):
     pairs = attended_pairs(seq, window, mode == "causal")
     row["tflops_fwdbwd"] = 14 * pairs * head_dim * heads * batch / (row["ms_fwdbwd"] * 1e-3) / 1e12
     row["peak_bytes"] = peak_bytes()
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
     traceback.print_exc()
   print(json.dumps(row), flush=True)

@@ -54,10 +54,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A compile-only client owns no chips: let other processes (tests, another run) load libtpu too.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
@@ -74,7 +74,7 @@ MOSAIC_TARGET = 'custom_call_target="tpu_custom_call"'
 # Slices and meshes.
 
 def topology(name: str):
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies
   return topologies.get_topology_desc(topology_name=name, platform="tpu")
 
 
@@ -100,7 +100,7 @@ def sds(shape, dtype, mesh, spec=P()):
 # Programs: each builder returns (description, seq, batch per device, lowered program).
 
 def band_programs(devices, quick: bool):
-  from longformer_jax.ops import band_pallas  # pylint: disable=g-import-not-at-top
+  from longformer_jax.ops import band_pallas
   mesh = mesh_of(devices[:1], (1,), ("data",))
   heads, head_dim, window = 12, 64, 256
 
@@ -119,7 +119,7 @@ def band_programs(devices, quick: bool):
 
 
 def op_programs(devices, quick: bool):
-  from longformer_jax import ops  # pylint: disable=g-import-not-at-top
+  from longformer_jax import ops
   mesh = mesh_of(devices, (1, len(devices)), ("data", "seq"))
   heads, head_dim, window = 8, 64, 512
   seq = 65536 if quick else 1 << 20
@@ -141,9 +141,11 @@ def op_programs(devices, quick: bool):
 def _trainer_program(cfg, devices, stage_index: int, task=None, batch_arrays=("inputs",
                                                                                "targets")):
   """Lowers `Trainer.train_step(stage)` on abstract, sharded state and batch."""
-  from longformer_jax.training.loop import Trainer  # pylint: disable=g-import-not-at-top
-  from longformer_jax.training.sharding import make_mesh  # pylint: disable=g-import-not-at-top
-  trainer = Trainer(cfg, mesh=make_mesh(cfg.mesh_shape, devices), task=task)
+  from longformer_jax.tasks import CharLMTask
+  from longformer_jax.training.loop import Trainer
+  from longformer_jax.training.sharding import make_mesh
+  trainer = Trainer(cfg, mesh=make_mesh(cfg.mesh_shape, devices),
+                    task=CharLMTask() if task is None else task)
   stage = cfg.stages[stage_index]
   shape = (stage.batch_size, stage.seq_len)
   batch = {name: jax.ShapeDtypeStruct(shape, jnp.float32 if name == "weights" else jnp.int32)
@@ -153,7 +155,7 @@ def _trainer_program(cfg, devices, stage_index: int, task=None, batch_arrays=("i
 
 def char_programs(which: str, devices, quick: bool, stages=None):
   del quick
-  from train.configs import char_large, char_small  # pylint: disable=g-import-not-at-top
+  from train.configs import char_large, char_small
   cfg = (char_small if which == "char_small" else char_large).get_config()
   for i, stage in enumerate(cfg.stages):
     if stages and i + 1 not in stages:
@@ -165,9 +167,9 @@ def char_programs(which: str, devices, quick: bool, stages=None):
 
 
 def charlm_1m_programs(devices, quick: bool):
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  from longformer_jax.training import Stage  # pylint: disable=g-import-not-at-top
-  from train.configs import char_small  # pylint: disable=g-import-not-at-top
+  import dataclasses
+  from longformer_jax.training import Stage
+  from train.configs import char_small
   cfg = char_small.get_config()
   last = cfg.stages[-1]
   seq = 65536 if quick else 1 << 20
@@ -186,10 +188,10 @@ class _MaskedLMTask:
   """Masked-token cross-entropy of `LongformerForMaskedLM`, <s> global (max_global=1)."""
 
   def __new__(cls):
-    import optax  # pylint: disable=g-import-not-at-top
-    from flax import nnx  # pylint: disable=g-import-not-at-top
-    from longformer_jax import LongformerForMaskedLM  # pylint: disable=g-import-not-at-top
-    from longformer_jax.training.task import Task  # pylint: disable=g-import-not-at-top
+    import optax
+    from flax import nnx
+    from longformer_jax import LongformerForMaskedLM
+    from longformer_jax.training.task import Task
 
     class MaskedLMTask(Task):
 
@@ -211,8 +213,8 @@ class _MaskedLMTask:
 
 
 def mlm_programs(devices, quick: bool):
-  from longformer_jax import LongformerConfig  # pylint: disable=g-import-not-at-top
-  from longformer_jax.training import Stage, TrainConfig  # pylint: disable=g-import-not-at-top
+  from longformer_jax import LongformerConfig
+  from longformer_jax.training import Stage, TrainConfig
   chips = len(devices)
   for seq, per_chip in (((1024, 2),) if quick else ((4096, 8), (16384, 2))):
     model = LongformerConfig.base(max_position_embeddings=seq + 2, dtype="bfloat16")
@@ -244,7 +246,7 @@ def measure(slice_name: str, row: str, quick: bool):
   hbm = HBM_BYTES[generation(slice_name)]
   try:
     programs = list(BUILDERS[row](devices, quick))
-  except Exception as e:  # pylint: disable=broad-except
+  except Exception as e:
     # E.g. a mesh the training code refuses; the other rows and slices still run.
     traceback.print_exc()
     record = dict(slice=slice_name, device_kind=kind, devices=len(devices), row=row, what=row,
@@ -268,7 +270,7 @@ def measure(slice_name: str, row: str, quick: bool):
       record["total_bytes"] = (record["argument_bytes"] + record["output_bytes"]
                                + record["temp_bytes"] - record["alias_bytes"])
       record["hbm_fraction"] = record["total_bytes"] / hbm
-    except Exception as e:  # pylint: disable=broad-except
+    except Exception as e:
       record["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
       traceback.print_exc()
     record["compile_s"] = round(time.time() - start, 1)

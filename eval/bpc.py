@@ -7,12 +7,13 @@
 Protocols: "sliding" (the paper's: windows of --context bytes moved --stride at a time, each
 scoring its last --stride predictions, the first window scoring all of its own) and "chunks"
 (non-overlapping windows of --context bytes). The model comes from <workdir>/run_config.json,
-written by train/charlm.py, and the final stage's attention windows from the settings saved with
-the checkpoint (a run may have been extended); only the parameters of the checkpoint are read, and checked against the checksums saved with them: without --step the
-newest checkpoint that restores and verifies is scored (a damaged one is skipped with a one-line
-warning and left as it is); a damaged --step, or no usable checkpoint, is an error (exit status
-1, one line). The same function (`evaluation.evaluate_run`) scores the test split after
-training. Prints the BPC and writes JSON (default <workdir>/bpc_<dataset>_<split>_<protocol>.json,
+written by train/charlm.py, and the final stage's attention windows from the settings saved with the
+checkpoint (a run may have been extended); only the parameters of the checkpoint are read, and
+checked against the checksums saved with them: without --step the newest checkpoint that restores
+and verifies is scored (a damaged one is skipped with a one-line warning and left as it is); a
+damaged --step, or no usable checkpoint, is an error (exit status 1, one line). The same function
+(`tasks.charlm.evaluate_run`) scores the test split after training. Prints the BPC and writes JSON
+(default <workdir>/bpc_<dataset>_<split>_<protocol>.json,
 or bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can
 be written. A result that is not finite (broken weights) is an error: exit status 1, no JSON.
 """
@@ -51,16 +52,14 @@ def main(argv: list[str] | None = None) -> int:
   if args.file is not None and args.split is not None:
     parser.error("--split selects a split of --dataset; it does not go with --file")
 
-  # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
   from etils import epath
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
   from longformer_jax.data import load_split
-  from longformer_jax.evaluation import describe, evaluate_run
+  from longformer_jax.tasks.charlm import describe, evaluate_run
   from longformer_jax.io import atomic_write
-  # pylint: enable=g-import-not-at-top
   initialize_distributed(args)
 
   workdir = epath.Path(args.workdir)

@@ -45,11 +45,9 @@ def run_model_class(record: dict, model_config):
   """The class a training run of `model_config` trained, by its run record: a fine-tuning run's
   task head, an MLM run's masked LM, a seq2seq run's LED (the char LM is restored apart, with
   its windows)."""
-  # pylint: disable=g-import-not-at-top
   from longformer_jax import led, modeling
   from longformer_jax.config import LEDConfig, LongformerConfig
-  from longformer_jax.training.finetune import MODEL_CLASSES as TASK_CLASSES
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks.finetune import MODEL_CLASSES as TASK_CLASSES
   if isinstance(model_config, LEDConfig):
     return led.LEDForConditionalGeneration
   if isinstance(model_config, LongformerConfig):
@@ -62,20 +60,18 @@ def run_model_class(record: dict, model_config):
 def load_model(path: str, step: int | None = None):
   """(model, info) of a training workdir or a model checkpoint directory; info: JSON facts for
   the manifest ("source", "kind", "step", and the char LM's "windows")."""
-  # pylint: disable=g-import-not-at-top
   import jax
   from flax import nnx
   from longformer_jax import checkpoint
   from longformer_jax.config import CharLMConfig
   from longformer_jax.training import config_from_record, make_mesh
   from longformer_jax.training.config import RUN_CONFIG, read_run_record
-  # pylint: enable=g-import-not-at-top
   info = {"source": os.fspath(path)}
   if os.path.isfile(os.path.join(path, RUN_CONFIG)):
     record = read_run_record(path)
     cfg = config_from_record(record, f"{path}/{RUN_CONFIG}")
     if isinstance(cfg.model, CharLMConfig):
-      from longformer_jax.evaluation import restore_run  # pylint: disable=g-import-not-at-top
+      from longformer_jax.tasks.charlm import restore_run
       model, step, windows = restore_run(path, step=step,
                                          mesh=make_mesh((1, 1), jax.devices()[:1]))
       return model, {**info, "kind": "workdir", "step": step, "windows": list(windows)}
@@ -115,10 +111,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="LED: decoding rows per example (beam search)")
   args = parser.parse_args(argv)
 
-  # pylint: disable=g-import-not-at-top
   from longformer_jax import export, led
   from longformer_jax.checkpoint import CheckpointError
-  # pylint: enable=g-import-not-at-top
   try:
     model, info = load_model(args.workdir, args.step)
   except (CheckpointError, FileNotFoundError) as e:

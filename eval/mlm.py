@@ -5,7 +5,7 @@
     # a model as loaded, no training (e.g. RoBERTa right after its positions are copied):
     python -m eval.mlm --init ./roberta-base --data ./corpus.txt --seq-len 4096 --window 256
 
-Definitions (`longformer_jax.training.mlm`): the split is packed in order into rows of <s> +
+Definitions (`longformer_jax.tasks.mlm`): the split is packed in order into rows of <s> +
 tokens + </s>; 15% of the tokens are masked as in training, with masks keyed by the seed and the
 row only (the same targets at every evaluation); loss = mean -ln p over the masked targets;
 bits per token = loss / ln 2 (the paper's Table 5 "BPC"); bpc = total bits over the UTF-8 bytes
@@ -54,12 +54,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                  args.seq_len)):
     parser.error("--data, --tokenizer and --seq-len go with --init; a run has its own")
 
-  # pylint: disable=g-import-not-at-top
   from etils import epath
   from longformer_jax.checkpoint import CheckpointError
   from longformer_jax.io import atomic_write
-  from longformer_jax.training import mlm
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import mlm
   try:
     if args.workdir is not None:
       result = mlm.evaluate_mlm_run(args.workdir, split=args.split, step=args.step,
@@ -89,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _evaluate_init(args: argparse.Namespace, mlm) -> dict:
   """evaluate_mlm of a model as loaded from --init."""
-  from longformer_jax.data import text, tokenized  # pylint: disable=g-import-not-at-top
+  from longformer_jax.data import text, tokenized
   model, kind = mlm.load_pretrained(args.init, max_positions=args.seq_len, window=args.window)
   tokenizer = text.load_tokenizer(args.tokenizer or args.init)
   result = mlm.MLMTask(tokenizer).score(

@@ -44,13 +44,11 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   args = parser.parse_args(argv)
 
-  # pylint: disable=g-import-not-at-top
   import jax
   import numpy as np
   from longformer_jax.checkpoint import CheckpointError
-  from longformer_jax.evaluation import restore_run
+  from longformer_jax.tasks.charlm import restore_run
   from longformer_jax.training import make_mesh
-  # pylint: enable=g-import-not-at-top
   try:
     # One device: sampling one sequence has nothing to split.
     model, step, windows = restore_run(args.workdir, step=args.step,
@@ -92,7 +90,7 @@ def _compile_seconds():
     if event in events:
       seconds[0] += duration
 
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
     yield seconds

@@ -1,6 +1,6 @@
 """What experiments/window_schedule.py and experiments/dilation.py share: char-LM arms on the
 bundled text8_sample, each trained for every seed with the library's `Trainer` (`CharLMTask`, one
-`Stage`) and scored with `evaluation.evaluate_bpc` on the validation split; mean and sd over
+`Stage`) and scored with `tasks.charlm.evaluate_bpc` on the validation split; mean and sd over
 seeds, the paper's claims checked against the spread, the JSON, the PNG, the command line.
 
 Only the standard library and numpy are imported at the top: JAX (through `longformer_jax`) is
@@ -137,7 +137,7 @@ def cli(main: Callable[[Sequence[str] | None], int]) -> int:
 
 def model_config(size: Size, windows: Sequence[int], dilation=1):
   """The char LM of `size` with these per-layer one-sided windows and dilations."""
-  from longformer_jax.config import CharLMConfig  # pylint: disable=g-import-not-at-top
+  from longformer_jax.config import CharLMConfig
   return CharLMConfig(num_hidden_layers=size.layers, hidden_size=size.hidden,
                       num_attention_heads=size.heads, intermediate_size=4 * size.hidden,
                       attention_window=tuple(windows), attention_dilation=dilation,
@@ -170,10 +170,9 @@ def train_and_score(cfg, size: Size, seed: int, data: dict, pbar, label: str) ->
   """Trains `cfg` for `size.steps` steps with the library's Trainer and scores the validation
   bytes (sliding windows of seq_len, stride seq_len / 2). Returns {"bpc", "train_bpc" (per step),
   "train_seconds", "eval_seconds"}."""
-  # pylint: disable=g-import-not-at-top
-  from longformer_jax.evaluation import evaluate_bpc
-  from longformer_jax.training import CharLMTask, Stage, TrainConfig, Trainer
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks.charlm import evaluate_bpc
+  from longformer_jax.tasks import CharLMTask
+  from longformer_jax.training import Stage, TrainConfig, Trainer
   train_cfg = TrainConfig(
       model=cfg, dataset=DATASET, seed=seed,
       stages=(Stage(seq_len=size.seq_len, batch_size=size.batch, steps=size.steps,
@@ -289,11 +288,9 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
   """Trains every arm (name -> CharLMConfig) for every seed, writes <out>.json and <out>.png,
   prints the table and returns the study dict. paper: the paper's dev BPC of each arm;
   claims: (better, worse) pairs of arms, as the paper found them."""
-  # pylint: disable=g-import-not-at-top
   import jax
   from tqdm import tqdm
   from longformer_jax.data import load_split
-  # pylint: enable=g-import-not-at-top
   if args.device == "gpu" and jax.default_backend() != "gpu":
     raise ArgumentError(f"--device gpu, but JAX's backend is {jax.default_backend()!r}")
   size = args.size
@@ -323,7 +320,7 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
   out = {
       "study": study,
       "metric": (f"dev BPC: bits per character on the first {len(data['eval']) - 1:,} "
-                 f"predictions of {DATASET}'s validation split (evaluation.evaluate_bpc, "
+                 f"predictions of {DATASET}'s validation split (tasks.charlm.evaluate_bpc, "
                  f"sliding windows of {size.seq_len} bytes moved {size.seq_len // 2} at a time); "
                  + metric_note),
       "arms": summary,
@@ -347,7 +344,7 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
 
 def write(study: dict, path: Path) -> None:
   """<path> (JSON) and its PNG; prints the table."""
-  from longformer_jax.io import atomic_write  # pylint: disable=g-import-not-at-top
+  from longformer_jax.io import atomic_write
   path.parent.mkdir(parents=True, exist_ok=True)
   atomic_write(path, json.dumps(study, indent=2) + "\n")
   plot(study, path.with_suffix(".png"))
@@ -357,10 +354,8 @@ def write(study: dict, path: Path) -> None:
 
 
 def _num_params(cfg) -> int:
-  # pylint: disable=g-import-not-at-top
   from flax import nnx
   from longformer_jax.causal_lm import LongformerForCausalLM, num_params
-  # pylint: enable=g-import-not-at-top
   return int(num_params(nnx.eval_shape(lambda: LongformerForCausalLM(cfg, rngs=nnx.Rngs(0)))))
 
 
@@ -384,12 +379,10 @@ def table(study: dict) -> str:
 def plot(study: dict, path: Path) -> None:
   """Left: training BPC (mean over seeds, smoothed) per arm; right: dev BPC bars (mean ± sd)
   with every seed's value as a point."""
-  # pylint: disable=g-import-not-at-top
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   from longformer_jax.io import save_figure
-  # pylint: enable=g-import-not-at-top
   arms, curves = study["arms"], study["curves"]
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4),
@@ -409,7 +402,7 @@ def plot(study: dict, path: Path) -> None:
   left.set_title("training (mean of seeds; band: min-max)", fontsize=10)
   left.legend(fontsize=8)
   left.grid(alpha=0.3)
-  for i, (name, arm) in enumerate(arms.items()):
+  for i, arm in enumerate(arms.values()):
     color = colors[i % len(colors)]
     right.bar(i, arm["mean"], yerr=arm["std"], color=color, alpha=0.5, capsize=6)
     jitter = np.linspace(-0.15, 0.15, len(arm["values"]))

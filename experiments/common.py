@@ -12,7 +12,7 @@ def compilation_cache(prefix: str = "study_xla_") -> None:
   XLA's persistent cache, in a temporary directory that lives as long as the process, serves
   the repeats. A cache the process already has is kept (JAX reads the setting once per process:
   a second directory would never be read, and deleting the first breaks its writes)."""
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
   if jax.config.jax_compilation_cache_dir:
     return
   _CACHES.append(tempfile.TemporaryDirectory(prefix=prefix))

@@ -13,7 +13,7 @@ repository reads the paper's Table 12 "dilation 1" as keys 2 apart, `config.grou
 The cpu model has 4 heads, so 2 heads are half of a top layer's (the paper: 2 of 8). Dilation
 widens the receptive field (sum over layers of the widest reach w x d): 288 -> 635 bytes at the
 cpu size, against a context of 512. Every run uses the library's `Trainer` (`CharLMTask`, one
-stage) and is scored with `evaluation.evaluate_bpc` on the validation split; the seed sets the
+stage) and is scored with `tasks.charlm.evaluate_bpc` on the validation split; the seed sets the
 initialisation and the batches, the same in both arms (so `no_dilation` repeats
 window_schedule's `increasing` run for run).
 
@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import charlm_study  # noqa: E402  pylint: disable=wrong-import-position
+import charlm_study
 
 STUDY = "dilation"
 # Paper Table 4 (bottom), text8 dev BPC after 150K steps of phase 1.
@@ -52,7 +52,7 @@ DILATED_HEADS = 2
 def dilations(size: charlm_study.Size) -> tuple[tuple[int, ...], ...]:
   """Per layer and head: 1 everywhere but the last 2 heads of the top len(size.dilations)
   layers, which get size.dilations (bottom to top)."""
-  from longformer_jax.config import grouped_dilations  # pylint: disable=g-import-not-at-top
+  from longformer_jax.config import grouped_dilations
   if len(size.dilations) > size.layers or size.heads <= DILATED_HEADS:
     raise ValueError(f"cannot dilate {DILATED_HEADS} heads of the top {len(size.dilations)} "
                      f"layers of a {size.layers}-layer, {size.heads}-head model")
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   args = charlm_study.parse_args(charlm_study.make_parser(__doc__, STUDY), argv)
   if args.replot:
     return charlm_study.replot(args, CLAIMS)
-  from longformer_jax.config import growing_windows  # pylint: disable=g-import-not-at-top
+  from longformer_jax.config import growing_windows
   windows = growing_windows(args.size.first_window, args.size.last_window, args.size.layers)
   arms = {"no_dilation": charlm_study.model_config(args.size, windows),
           "dilation_2_heads": charlm_study.model_config(args.size, windows,

@@ -71,7 +71,6 @@ if not any(a in ("gpu", "--device=gpu") for a in sys.argv[1:]):
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -82,7 +81,6 @@ from longformer_jax import LongformerConfig
 from longformer_jax.io import atomic_write, save_figure
 from longformer_jax.modeling import LongformerForTokenClassification
 from longformer_jax.training import Stage, Task, TrainConfig, Trainer
-# pylint: enable=g-import-not-at-top,wrong-import-position
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ARMS = ("local", "global", "full")
@@ -375,10 +373,10 @@ def evaluate(model, task: RetrievalTask, sets, batch_size: int) -> dict[tuple[in
 def measure_cost(p: dict, variants, pbar=None) -> dict:
   """Per variant and length: the compiled training step's temporary bytes and its wall time.
 
-  At each length every variant's step is compiled (`Trainer.lower_train_step`), run once, then
-  timed `cost_reps` times with the variants interleaved (in a rotating order), so that a busy
-  moment of a shared machine hits all of them; the median is kept. The step is the Trainer's: forward, backward and
-  the AdamW update of `cost_batch` rows. Times are relative to the first variant's.
+  At each length every variant's step is compiled (`Trainer.lower_train_step`), run once, then timed
+  `cost_reps` times with the variants interleaved (in a rotating order), so that a busy moment of a
+  shared machine hits all of them; the median is kept. The step is the Trainer's: forward, backward
+  and the AdamW update of `cost_batch` rows. Times are relative to the first variant's.
   """
   out = {v: {"lengths": [], "temp_bytes": [], "argument_bytes": [], "seconds": []}
          for v in variants}
@@ -603,9 +601,9 @@ def plot(study: dict, path: Path) -> None:
   """Three panels: accuracy against distance per arm (mean ± sd over seeds of the mean over
   distractor counts; thin lines per count) with one window and the receptive field marked; the
   compiled step's temporary memory and its relative time against sequence length per arm."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
   setup, arms, rf = study["setup"], study["arms"], study["receptive_field"]["local"]
   fig, axes = plt.subplots(1, 3, figsize=(16, 4.8), gridspec_kw=dict(width_ratios=[1.7, 1, 1]))
   ax = axes[0]
@@ -726,7 +724,7 @@ def main(argv=None) -> int:
     return 0
   if args.device == "gpu" and jax.default_backend() != "gpu":
     raise ArgumentError(f"--device gpu, but JAX's backend is {jax.default_backend()!r}")
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  from tqdm import tqdm
   start = time.perf_counter()
   log = lambda text: tqdm.write(f"[{time.perf_counter() - start:6.0f}s] {text}", file=sys.stderr)
   # Seeds and the cost panel repeat programs (the evaluation's, the cost panel's at the training
@@ -761,7 +759,7 @@ def main(argv=None) -> int:
 
 
 def run(args, p: dict, log, start: float) -> dict:
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  from tqdm import tqdm
   chance = 1.0 / p["values"]
   local_rf = receptive_field(model_config(p, "local", p["seq_len"]))
   sets = eval_sets(p)

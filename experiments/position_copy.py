@@ -16,7 +16,7 @@ randomly initialised new positions, 1.753 after 2K more MLM steps. Here, for eac
   4. both are scored on the held-out (validation) split in `--long-len`-token rows, then trained
      for `--long-steps` more MLM steps on `--long-len`-token sequences and scored again.
 
-Metric: bits per character of the masked tokens (`training.mlm`: total -log2 p over the masked
+Metric: bits per character of the masked tokens (`tasks.mlm`: total -log2 p over the masked
 targets / their UTF-8 bytes); bits per masked token (the paper's unit) and the loss are stored
 too. Every model is scored on the same targets (masks keyed by row, seed 0). Training uses the
 project's `Trainer` and `MLMTask` (the sharded step, the masking, the schedule); the seed sets the
@@ -53,7 +53,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import numpy as np
 from flax import nnx
@@ -62,9 +61,8 @@ from longformer_jax import LongformerConfig, convert
 from longformer_jax.data import tokenized
 from longformer_jax.io import atomic_write, save_figure
 from longformer_jax.training import Stage, TrainConfig, Trainer
-from longformer_jax.training.mlm import MLMTask
+from longformer_jax.tasks.mlm import MLMTask
 from common import compilation_cache  # experiments/common.py
-# pylint: enable=g-import-not-at-top,wrong-import-position
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASET = "enwik8_sample"
@@ -100,7 +98,7 @@ def run_training(cfg: TrainConfig, task: MLMTask, params=None, log=None):
 def to_roberta(model):
   """Our short model as an HF `RobertaForMaskedLM` (the same weights: a Longformer whose window
   covers its positions is a RoBERTa with global projections it never uses)."""
-  import transformers  # pylint: disable=g-import-not-at-top
+  import transformers
   c = model.config
   roberta = transformers.RobertaForMaskedLM(transformers.RobertaConfig(
       vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_hidden_layers,
@@ -119,7 +117,7 @@ def to_roberta(model):
 
 def check_same_logits(model, roberta, ids_BxN: np.ndarray) -> float:
   """Max |difference| of the two models' logits on `ids_BxN` (both in inference mode)."""
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   model.eval()
   ours = np.asarray(model(ids_BxN).logits)
   with torch.no_grad():
@@ -154,9 +152,9 @@ def summarize(seeds, results: list[dict]) -> dict:
 def plot(study: dict, path: Path) -> None:
   """Two panels (before / after the continued training): each seed's pair of long models (copied,
   random) joined by a line, the means with their standard deviations, and the short model."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
   arms, setup = study["arms"], study["setup"]
   fig, axes = plt.subplots(1, 2, figsize=(8, 4), sharey=True)
   titles = {"before": f"made long to {setup['long_len']} tokens",
@@ -330,7 +328,7 @@ def main(argv=None) -> int:
       "study": "position_copy",
       "metric": (f"MLM bits per character on the first {args.eval_tokens:,} tokens of "
                  f"{DATASET}'s validation split: sum of -log2 p over the masked tokens / their "
-                 f"UTF-8 bytes (training.mlm); short_model in {args.short_len}-token rows, the "
+                 f"UTF-8 bytes (tasks.mlm); short_model in {args.short_len}-token rows, the "
                  f"others in {args.long_len}-token rows"),
       "arms": arms,
       # Per seed, the same short model made long both ways: random minus copied (bpc).

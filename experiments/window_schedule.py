@@ -12,7 +12,7 @@ total attention cost: the same sum of windows over the layers (so the same numbe
 query, and the same receptive field, sum of the windows). `increasing` is
 `config.growing_windows(first, last, layers)`, `decreasing` its reverse, `fixed` the sum spread
 evenly (any remainder on the top layers). No dilation. Every run uses the library's `Trainer`
-(`CharLMTask`, one stage) and is scored with `evaluation.evaluate_bpc` on the validation split;
+(`CharLMTask`, one stage) and is scored with `tasks.charlm.evaluate_bpc` on the validation split;
 the seed sets the initialisation and the batches, the same in every arm.
 
 Sizes (`--device`): cpu (default): 4 layers x 64 (4 heads), windows 16, 53, 91, 128 against
@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import charlm_study  # noqa: E402  pylint: disable=wrong-import-position
+import charlm_study
 
 STUDY = "window_schedule"
 # Paper Table 4 (top), text8 dev BPC after 150K steps of phase 1.
@@ -51,7 +51,7 @@ CLAIMS = (("increasing", "decreasing"), ("increasing", "fixed"), ("fixed", "decr
 
 def schedules(size: charlm_study.Size) -> dict[str, tuple[int, ...]]:
   """The three arms' per-layer windows, all with the same sum."""
-  from longformer_jax.config import growing_windows  # pylint: disable=g-import-not-at-top
+  from longformer_jax.config import growing_windows
   increasing = growing_windows(size.first_window, size.last_window, size.layers)
   total, layers = sum(increasing), size.layers
   fixed = tuple(total // layers + (i >= layers - total % layers) for i in range(layers))

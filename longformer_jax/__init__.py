@@ -20,12 +20,23 @@ from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig, LEDConfig, LongformerConfig
 from longformer_jax.convert import bart_to_led, from_hf, roberta_to_longformer, to_hf
 from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
-from longformer_jax.evaluation import evaluate_bpc
+from longformer_jax.tasks.charlm import evaluate_bpc
 from longformer_jax.led import (
     LEDForConditionalGeneration, LEDForQuestionAnswering, LEDModel)
 from longformer_jax.modeling import (
     LongformerForMaskedLM, LongformerForMultipleChoice, LongformerForQuestionAnswering,
     LongformerForSequenceClassification, LongformerForTokenClassification, LongformerLogitsOutput,
     LongformerModel, LongformerModelOutput, LongformerQuestionAnsweringOutput)
+
+__all__ = [
+    "LEDConfig", "LEDForConditionalGeneration", "LEDForQuestionAnswering", "LEDModel",
+    "CharLMConfig", "LongformerConfig", "LongformerEmbeddings", "LongformerForCausalLM",
+    "LongformerForMaskedLM", "LongformerForMultipleChoice", "LongformerForQuestionAnswering",
+    "LongformerForSequenceClassification", "LongformerForTokenClassification",
+    "LongformerLayer", "LongformerLogitsOutput", "LongformerModel", "LongformerModelOutput",
+    "LongformerQuestionAnsweringOutput", "LongformerSelfAttention", "bart_to_led", "checkpoint",
+    "convert", "evaluate_bpc", "from_hf", "load_model", "ops", "roberta_to_longformer",
+    "save_model", "to_hf",
+]
 
 __version__ = "0.1.0"

@@ -73,12 +73,12 @@ def _root_logging_kept():
       for handler in list(root.handlers):
         if (type(handler) is logging.StreamHandler and handler.stream is sys.stderr
             and handler.formatter is not None
-            and handler.formatter._fmt == logging.BASIC_FORMAT):  # pylint: disable=protected-access
+            and handler.formatter._fmt == logging.BASIC_FORMAT):
           root.removeHandler(handler)
 
 
 with _root_logging_kept():
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top,wrong-import-position
+  import orbax.checkpoint as ocp
 
 _FORMAT_VERSION = 2
 _PACKAGE = "longformer_jax"
@@ -265,7 +265,7 @@ class _DropOrbaxErrors(logging.Filter):
       exc = record.exc_info[1] if record.exc_info else None
       try:
         message = record.getMessage()
-      except Exception:  # pylint: disable=broad-exception-caught
+      except Exception:
         message = str(record.msg)
       return not (_is_orphaned_error(exc) or "orbax" in message)
     return True
@@ -291,7 +291,7 @@ def _enter_quiet() -> None:
     for name in _QUIET_LOGGERS:
       logging.getLogger(name).addFilter(dropper)
     root_logging = _root_logging_kept()
-    root_logging.__enter__()  # pylint: disable=unnecessary-dunder-call
+    root_logging.__enter__()
     _quiet_installed = (previous, hook, dropper, root_logging)
 
 
@@ -376,7 +376,7 @@ def _read(what: str, fn: Callable[[], Any]) -> Any:
       return fn()
     except DamagedCheckpointError:
       raise
-    except Exception as e:  # pylint: disable=broad-exception-caught
+    except Exception as e:
       # Whatever Orbax, TensorStore or the file system raise for a broken file.
       _after_failure(e)
       raise DamagedCheckpointError(f"{what}: {describe_error(e)}") from e
@@ -697,7 +697,7 @@ class TrainCheckpoints:
       self._manager.save(step, args=ocp.args.Composite(
           params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
           meta=ocp.args.JsonSave(meta)), force=True)
-    except Exception as e:  # pylint: disable=broad-exception-caught
+    except Exception as e:
       _after_failure(e)
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
@@ -718,7 +718,7 @@ class TrainCheckpoints:
     try:
       self._manager.wait_until_finished()
       self._manager.check_for_errors()
-    except Exception as e:  # pylint: disable=broad-exception-caught
+    except Exception as e:
       _after_failure(e)
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e

@@ -106,8 +106,7 @@ class TransformerConfig(_FrozenConfig):
                        f"{('auto',) + ops.IMPLS}")
     self._canonicalize(("attention_window", "attention_dilation"))
     # Evaluate the per-layer views once: they raise on bad windows/dilations.
-    self.layer_windows  # pylint: disable=pointless-statement
-    self.layer_dilations  # pylint: disable=pointless-statement
+    _ = self.layer_windows, self.layer_dilations
 
   @property
   def head_dim(self) -> int:
@@ -317,7 +316,7 @@ class LEDConfig(_FrozenConfig):
       raise ValueError(f"attention_impl={self.attention_impl!r} is not one of "
                        f"{('auto',) + ops.IMPLS}")
     self._canonicalize(("attention_window",))
-    self.layer_windows  # pylint: disable=pointless-statement
+    _ = self.layer_windows
 
   @property
   def layer_windows(self) -> tuple[int, ...]:

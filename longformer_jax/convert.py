@@ -224,7 +224,7 @@ def _read_dir(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   index = os.path.join(path, "model.safetensors.index.json")
   torch_bin = os.path.join(path, "pytorch_model.bin")
   if os.path.isfile(single) or os.path.isfile(index):
-    from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+    from safetensors.numpy import load_file
     if os.path.isfile(single):
       files = [single]
     else:
@@ -236,7 +236,7 @@ def _read_dir(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     weights = {k: np.asarray(v, np.float32) for k, v in weights.items()
                if np.issubdtype(v.dtype, np.floating)}
   elif os.path.isfile(torch_bin):
-    import torch  # pylint: disable=import-outside-toplevel
+    import torch
     weights = _torch_to_numpy(torch.load(torch_bin, map_location="cpu", weights_only=True))
   else:
     raise FileNotFoundError(f"{path!r} holds neither model.safetensors (or its index) nor "
@@ -254,7 +254,7 @@ def _hub_snapshot(repo_id: str, revision: str | None, cache_dir) -> str:
   """The local directory of HF Hub model `repo_id` in the HF cache (fetched unless cached)."""
   at = f" at revision {revision!r}" if revision else ""
   try:
-    import huggingface_hub  # pylint: disable=import-outside-toplevel
+    import huggingface_hub
   except ImportError as e:
     raise ImportError(f"{repo_id!r} is not a local directory; fetching it from the HF Hub needs "
                       f"huggingface_hub (pip install huggingface_hub)") from e
@@ -275,7 +275,7 @@ def _hub_snapshot(repo_id: str, revision: str | None, cache_dir) -> str:
          for f in ("model.safetensors", "model.safetensors.index.json")):
     return path
   try:
-    import torch  # pylint: disable=import-outside-toplevel,unused-import
+    import torch  # noqa: F401 (only whether it imports)
   except ImportError as e:
     raise FileNotFoundError(f"the HF Hub model {repo_id!r}{at} has no safetensors weights, and "
                             f"reading a pytorch_model.bin needs torch") from e
@@ -391,7 +391,7 @@ def config_to_hf_dict(config: LongformerConfig | LEDConfig,
 def config_to_hf(config: LongformerConfig | LEDConfig, architecture: str | None = None):
   """An HF `transformers.LongformerConfig` or `LEDConfig`: `config_to_hf_dict` read as HF reads a
   config.json. Raises as `config_to_hf_dict` does."""
-  import transformers  # pylint: disable=import-outside-toplevel
+  import transformers
   hf_class = transformers.LEDConfig if isinstance(config, LEDConfig) else (
       transformers.LongformerConfig)
   return hf_class.from_dict(config_to_hf_dict(config, architecture))
@@ -580,8 +580,8 @@ def to_hf(model: nnx.Module):
   Needs torch and transformers. Raises ValueError for what HF Longformer cannot express
   (causal mode, dilation).
   """
-  import torch  # pylint: disable=import-outside-toplevel
-  import transformers  # pylint: disable=import-outside-toplevel
+  import torch
+  import transformers
   family = _family_of(model)
   name = type(model).__name__
   hf_config = config_to_hf(model.config, architecture=name)

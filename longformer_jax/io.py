@@ -30,8 +30,8 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
 def save_figure(fig, path: str | os.PathLike, *, dpi: int = 120) -> None:
   """Writes a matplotlib figure as a PNG with `atomic_write` (never half a plot on disk) and
   closes it."""
-  import io  # pylint: disable=g-import-not-at-top
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import io
+  import matplotlib.pyplot as plt
   buffer = io.BytesIO()
   fig.savefig(buffer, format="png", dpi=dpi)
   plt.close(fig)

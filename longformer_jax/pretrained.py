@@ -23,11 +23,9 @@ class HFCheckpointMixin:
     cannot express (dilation, causal=True).
     """
     # Imported here: convert imports the model modules, which import this one.
-    # pylint: disable=import-outside-toplevel
     from safetensors.numpy import save
     from longformer_jax import convert
     from longformer_jax.io import atomic_write
-    # pylint: enable=import-outside-toplevel
     config = convert.config_to_hf_dict(self.config, type(self).__name__)  # raises first
     weights = convert.hf_state_dict(self)
     directory = os.fspath(directory)
@@ -49,6 +47,6 @@ class HFCheckpointMixin:
 
     **config_changes: config fields to set, e.g. `attention_impl`, `dtype`, `num_labels`.
     """
-    from longformer_jax import convert  # pylint: disable=import-outside-toplevel
+    from longformer_jax import convert
     return convert.from_hf(source, model_class=cls, revision=revision, cache_dir=cache_dir,
                            rngs=rngs, **config_changes)

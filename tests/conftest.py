@@ -15,12 +15,10 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import pytest
 
 import testing
-# pylint: enable=g-import-not-at-top,wrong-import-position
 
 
 def pytest_generate_tests(metafunc):

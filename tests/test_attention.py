@@ -44,7 +44,7 @@ GRID = _grid()
 
 
 def expected_keys(case: Case, attention_mask, global_mask, b: int, i: int, head: int):
-  """docs/design.md §1 written out with Python sets: (local keys, global-projection keys) of query i."""
+  """docs/design.md §1 with Python sets: (local keys, global-projection keys) of query i."""
   real = {j for j in range(case.seq) if attention_mask[b, j]}
   if i not in real:
     return set(), set()
@@ -215,7 +215,7 @@ class TestChunked:
     assert bool(jnp.all(jnp.isnan(out[0]))) and bool(jnp.all(jnp.isfinite(out[1])))
 
 
-# ------------------------------------------------------------------------------- independent of impl
+# ------------------------------------------------------------------------ independent of impl
 
 
 def test_chunked_never_materialises_seq_by_seq():

@@ -8,9 +8,10 @@ has the same pair (`TestTpuBand`, `TestTpuBandInterpret`), the Triton suite reru
 blocks and cases. tests/conftest.py sets JAX_PLATFORMS=cpu unless it is already set: run with
 JAX_PLATFORMS=cuda (or tpu) for the compiled classes.
 
-Also on CPU: lowering for 'cuda' and 'tpu' through an abstract mesh (docs/design.md §5.1), which proves
-the kernels become Triton / Mosaic custom calls with no silent fallback to XLA; and the captured
-Triton IR compiled to sm_90 cubins with the `triton` package (no GPU needed). The TPU kernels
+Also on CPU: lowering for 'cuda' and 'tpu' through an abstract mesh (docs/design.md §5.1), which
+proves the kernels become Triton / Mosaic custom calls with no silent fallback to XLA; and the
+captured Triton IR compiled to sm_90 cubins with the `triton` package (no GPU needed). The TPU
+kernels
 are compiled for real TPU slices (XLA's TPU compiler and Mosaic) in tests/test_tpu_aot.py.
 Tolerances (tests/testing.py TOLERANCE) are on the error divided by max(1, max |reference|):
 float32 1e-5, 16-bit 1e-2.
@@ -401,8 +402,8 @@ def test_block_sizes_for_device():
 def test_triton_kernels_compile_for_sm90(dtype, causal, head_dim, fused, monkeypatch, tmp_path):
   """fused: dilation (1, 2) (two runs of heads: six kernels) and a global key tile."""
   triton = pytest.importorskip("triton")
-  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
-  from jax._src.pallas.triton import pallas_call_registration  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget
+  from jax._src.pallas.triton import pallas_call_registration
   lowering = pallas_call_registration.lowering
   modules = []
   original = lowering.lower_jaxpr_to_triton_module

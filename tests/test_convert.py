@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch", reason=_NEEDS)
 transformers = pytest.importorskip("transformers", reason=_NEEDS)
 safetensors_numpy = pytest.importorskip("safetensors.numpy", reason=_NEEDS)
 
-from hf_testing import random_longformer, random_roberta  # pylint: disable=wrong-import-position
+from hf_testing import random_longformer, random_roberta
 from testing import make_model_inputs as make_inputs
 from longformer_jax import convert, modeling
 from longformer_jax.config import LongformerConfig

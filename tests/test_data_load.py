@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("tfds")
+  return tmp_path_factory.mktemp("tfds")
 
 
 # --- the samples through load_split ---------------------------------------------------------
@@ -41,42 +41,42 @@ def data_dir(tmp_path_factory):
     ],
 )
 def test_sample_splits_are_contiguous_90_5_5(data_dir, name, sizes, sha256):
-    parts = [load_split(name, split, data_dir) for split in ("train", "validation", "test")]
-    assert tuple(len(p) for p in parts) == sizes
-    assert all(p.dtype == np.uint8 and p.ndim == 1 for p in parts)
-    # In order, nothing lost or repeated: the splits concatenate to the whole stream.
-    assert hashlib.sha256(np.concatenate(parts).tobytes()).hexdigest() == sha256
-    np.testing.assert_array_equal(load_split(name, "valid", data_dir), parts[1])
+  parts = [load_split(name, split, data_dir) for split in ("train", "validation", "test")]
+  assert tuple(len(p) for p in parts) == sizes
+  assert all(p.dtype == np.uint8 and p.ndim == 1 for p in parts)
+  # In order, nothing lost or repeated: the splits concatenate to the whole stream.
+  assert hashlib.sha256(np.concatenate(parts).tobytes()).hexdigest() == sha256
+  np.testing.assert_array_equal(load_split(name, "valid", data_dir), parts[1])
 
 
 def test_sample_byte_handling(data_dir):
-    enwik8 = load_split("enwik8_sample", "train", data_dir)
-    assert enwik8[:5].tobytes() == b"<medi"
-    assert (enwik8 == ord("\n")).sum() > 10_000  # newlines are kept
-    assert enwik8.max() > 127  # so are UTF-8 bytes
-    text8 = load_split("text8_sample", "test", data_dir)
-    assert set(np.unique(text8).tobytes()) <= set(corpora.TEXT8_ALPHABET)
+  enwik8 = load_split("enwik8_sample", "train", data_dir)
+  assert enwik8[:5].tobytes() == b"<medi"
+  assert (enwik8 == ord("\n")).sum() > 10_000  # newlines are kept
+  assert enwik8.max() > 127  # so are UTF-8 bytes
+  text8 = load_split("text8_sample", "test", data_dir)
+  assert set(np.unique(text8).tobytes()) <= set(corpora.TEXT8_ALPHABET)
 
 
 def test_returned_arrays_are_fresh(data_dir):
-    a = load_split("text8_sample", "validation", data_dir)
-    a[:] = 0
-    assert load_split("text8_sample", "validation", data_dir).any()
+  a = load_split("text8_sample", "validation", data_dir)
+  a[:] = 0
+  assert load_split("text8_sample", "validation", data_dir).any()
 
 
 @pytest.mark.parametrize(
     "name,split,match", [("enwik9", "train", "enwik9"), ("text8", "dev", "dev")]
 )
 def test_unknown_name_or_split(name, split, match):
-    with pytest.raises(ValueError, match=match):
-        load_split(name, split)
+  with pytest.raises(ValueError, match=match):
+    load_split(name, split)
 
 
 def test_samples_without_tensorflow_datasets():
-    """A fresh interpreter without TFDS (like the GPU image) imports the package and still
-    serves the samples: the same bytes the builders store."""
-    script = textwrap.dedent(
-        """
+  """A fresh interpreter without TFDS (like the GPU image) imports the package and still
+  serves the samples: the same bytes the builders store."""
+  script = textwrap.dedent(
+      """
         import hashlib, sys
         import numpy as np
         sys.modules["tensorflow_datasets"] = None  # any import of it now fails
@@ -89,229 +89,229 @@ def test_samples_without_tensorflow_datasets():
         except ImportError as e:
             print("ImportError", "tensorflow-datasets" in str(e))
         """
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
-    ).stdout.split("\n")
-    assert out[0] == f"enwik8_sample [5480771, 304487, 304488] {corpora.SAMPLE_XML_SHA256}"
-    assert out[1] == f"text8_sample [2777246, 154291, 154292] {corpora.SAMPLE_TEXT8_SHA256}"
-    assert out[2] == "ImportError True"
+  )
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  out = subprocess.run(
+      [sys.executable, "-c", script], capture_output=True, text=True, env=env, check=True
+  ).stdout.split("\n")
+  assert out[0] == f"enwik8_sample [5480771, 304487, 304488] {corpora.SAMPLE_XML_SHA256}"
+  assert out[1] == f"text8_sample [2777246, 154291, 154292] {corpora.SAMPLE_TEXT8_SHA256}"
+  assert out[2] == "ImportError True"
 
 
 def test_processes_preparing_at_once_all_succeed(tmp_path):
-    """Each host process calls load_split at start-up; all must get the data, whichever
-    finishes preparing first."""
-    script = (
-        "import hashlib, sys\n"
-        "from longformer_jax.data import load_split\n"
-        "x = load_split('text8_sample', 'validation', sys.argv[1])\n"
-        "print(hashlib.sha256(x).hexdigest())\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(tmp_path)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for _ in range(2)
-    ]
-    results = [p.communicate() for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
-    start, stop = corpora.split_bounds(3_085_829)["validation"]
-    expected = hashlib.sha256(corpora.sample_stream("text8_sample")[start:stop]).hexdigest()
-    assert [out.split()[-1] for out, _ in results] == [expected, expected]
+  """Each host process calls load_split at start-up; all must get the data, whichever
+  finishes preparing first."""
+  script = (
+      "import hashlib, sys\n"
+      "from longformer_jax.data import load_split\n"
+      "x = load_split('text8_sample', 'validation', sys.argv[1])\n"
+      "print(hashlib.sha256(x).hexdigest())\n"
+  )
+  env = {**os.environ, "PYTHONPATH": str(REPO)}
+  procs = [
+      subprocess.Popen(
+          [sys.executable, "-c", script, str(tmp_path)],
+          stdout=subprocess.PIPE,
+          stderr=subprocess.PIPE,
+          text=True,
+          env=env,
+      )
+      for _ in range(2)
+  ]
+  results = [p.communicate() for p in procs]
+  assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in results]
+  start, stop = corpora.split_bounds(3_085_829)["validation"]
+  expected = hashlib.sha256(corpora.sample_stream("text8_sample")[start:stop]).hexdigest()
+  assert [out.split()[-1] for out, _ in results] == [expected, expected]
 
 
 # --- the enwik8 / text8 builders on fake archives -------------------------------------------
 
 
 def _fake_archive(path: Path, member: str, content: bytes) -> corpora.Source:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
-        z.writestr(member, content)
-    raw = path.read_bytes()
-    return corpora.Source(
-        url=path.as_uri(),
-        filename=path.name,
-        size=len(raw),
-        sha256=hashlib.sha256(raw).hexdigest(),
-        member=member,
-        length=len(content),
-        md5=hashlib.md5(content).hexdigest(),
-    )
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as z:
+    z.writestr(member, content)
+  raw = path.read_bytes()
+  return corpora.Source(
+      url=path.as_uri(),
+      filename=path.name,
+      size=len(raw),
+      sha256=hashlib.sha256(raw).hexdigest(),
+      member=member,
+      length=len(content),
+      md5=hashlib.md5(content).hexdigest(),
+  )
 
 
 def _with_source(base, source):
-    class Fake(base, skip_registration=True):
-        SOURCE = source
+  class Fake(base, skip_registration=True):
+    SOURCE = source
 
-    return Fake
+  return Fake
 
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    # Several records per split, so reading proves their order.
-    monkeypatch.setattr(builders, "CHUNK_BYTES", 64)
+  # Several records per split, so reading proves their order.
+  monkeypatch.setattr(builders, "CHUNK_BYTES", 64)
 
 
 def test_registered_with_tfds():
-    import tensorflow_datasets as tfds
+  import tensorflow_datasets as tfds
 
-    registered = tfds.list_builders(with_community_datasets=False)
-    assert set(DATASETS) <= set(registered)
+  registered = tfds.list_builders(with_community_datasets=False)
+  assert set(DATASETS) <= set(registered)
 
 
 def test_enwik8_from_manual_dir(tmp_path, small_chunks):
-    content = bytes(range(256)) * 8 + b"\n\r\n<page>"  # every byte value, newlines included
-    source = _fake_archive(tmp_path / "manual" / "enwik8.zip", "enwik8", content)
-    builder = builders.prepare(
-        _with_source(builders.Enwik8, source),
-        data_dir=tmp_path / "data",
-        manual_dir=tmp_path / "manual",
-    )
-    parts = {s: builders.read_split(builder, s) for s in ("train", "validation", "test")}
-    n = len(content)
-    assert [len(p) for p in parts.values()] == [n * 9 // 10, n // 20, n - n * 9 // 10 - n // 20]
-    assert np.concatenate(list(parts.values())).tobytes() == content
-    assert len(builder.as_data_source(split="train")) > 1
-    assert not (tmp_path / "data" / "downloads" / "enwik8.zip").exists()  # nothing downloaded
+  content = bytes(range(256)) * 8 + b"\n\r\n<page>"  # every byte value, newlines included
+  source = _fake_archive(tmp_path / "manual" / "enwik8.zip", "enwik8", content)
+  builder = builders.prepare(
+      _with_source(builders.Enwik8, source),
+      data_dir=tmp_path / "data",
+      manual_dir=tmp_path / "manual",
+  )
+  parts = {s: builders.read_split(builder, s) for s in ("train", "validation", "test")}
+  n = len(content)
+  assert [len(p) for p in parts.values()] == [n * 9 // 10, n // 20, n - n * 9 // 10 - n // 20]
+  assert np.concatenate(list(parts.values())).tobytes() == content
+  assert len(builder.as_data_source(split="train")) > 1
+  assert not (tmp_path / "data" / "downloads" / "enwik8.zip").exists()  # nothing downloaded
 
 
 def test_text8_downloaded_verified_and_cached(tmp_path, small_chunks):
-    content = b" anarchism originated as a term of abuse" * 20
-    source = _fake_archive(tmp_path / "server" / "text8.zip", "text8", content)
-    source = replace(source, md5=None, alphabet=corpora.TEXT8_ALPHABET)
-    builder = builders.prepare(_with_source(builders.Text8, source), data_dir=tmp_path / "data")
-    assert (tmp_path / "data" / "downloads" / "text8.zip").read_bytes() == (
-        tmp_path / "server" / "text8.zip"
-    ).read_bytes()
-    splits = ("train", "validation", "test")
-    whole = b"".join(builders.read_split(builder, s).tobytes() for s in splits)
-    assert whole == content
+  content = b" anarchism originated as a term of abuse" * 20
+  source = _fake_archive(tmp_path / "server" / "text8.zip", "text8", content)
+  source = replace(source, md5=None, alphabet=corpora.TEXT8_ALPHABET)
+  builder = builders.prepare(_with_source(builders.Text8, source), data_dir=tmp_path / "data")
+  assert (tmp_path / "data" / "downloads" / "text8.zip").read_bytes() == (
+      tmp_path / "server" / "text8.zip"
+  ).read_bytes()
+  splits = ("train", "validation", "test")
+  whole = b"".join(builders.read_split(builder, s).tobytes() for s in splits)
+  assert whole == content
 
 
 def test_text8_rejects_bytes_outside_alphabet(tmp_path):
-    source = _fake_archive(tmp_path / "manual" / "text8.zip", "text8", b" fine text Not fine")
-    source = replace(source, alphabet=corpora.TEXT8_ALPHABET)
-    cls = _with_source(builders.Text8, source)
-    with pytest.raises(ValueError, match=r"byte 78 at offset 11"):
-        builders.prepare(cls, data_dir=tmp_path / "data", manual_dir=tmp_path / "manual")
+  source = _fake_archive(tmp_path / "manual" / "text8.zip", "text8", b" fine text Not fine")
+  source = replace(source, alphabet=corpora.TEXT8_ALPHABET)
+  cls = _with_source(builders.Text8, source)
+  with pytest.raises(ValueError, match=r"byte 78 at offset 11"):
+    builders.prepare(cls, data_dir=tmp_path / "data", manual_dir=tmp_path / "manual")
 
 
 def test_official_enwik8_rejects_a_wrong_manual_file(tmp_path):
-    _fake_archive(tmp_path / "manual" / "enwik8.zip", "enwik8", b"not the real thing")
-    with pytest.raises(ValueError, match=r"enwik8\.zip is \d+ bytes but .* is 36,445,475 bytes"):
-        builders.prepare("enwik8", data_dir=tmp_path / "data", manual_dir=tmp_path / "manual")
-    assert not (tmp_path / "data" / "enwik8" / "1.0.0").exists()
+  _fake_archive(tmp_path / "manual" / "enwik8.zip", "enwik8", b"not the real thing")
+  with pytest.raises(ValueError, match=r"enwik8\.zip is \d+ bytes but .* is 36,445,475 bytes"):
+    builders.prepare("enwik8", data_dir=tmp_path / "data", manual_dir=tmp_path / "manual")
+  assert not (tmp_path / "data" / "enwik8" / "1.0.0").exists()
 
 
 def test_real_sources_pin_the_published_figures():
-    assert corpora.ENWIK8_SOURCE.size == 36_445_475
-    assert corpora.ENWIK8_SOURCE.md5 == "a1fa5ffddb56f4953e226637dabbb36a"
-    assert corpora.TEXT8_SOURCE.size == 31_344_016
-    assert corpora.ENWIK8_SOURCE.length == corpora.TEXT8_SOURCE.length == 10**8
-    assert corpora.split_bounds(10**8) == {
-        "train": (0, 90_000_000),
-        "validation": (90_000_000, 95_000_000),
-        "test": (95_000_000, 100_000_000),
-    }
+  assert corpora.ENWIK8_SOURCE.size == 36_445_475
+  assert corpora.ENWIK8_SOURCE.md5 == "a1fa5ffddb56f4953e226637dabbb36a"
+  assert corpora.TEXT8_SOURCE.size == 31_344_016
+  assert corpora.ENWIK8_SOURCE.length == corpora.TEXT8_SOURCE.length == 10**8
+  assert corpora.split_bounds(10**8) == {
+      "train": (0, 90_000_000),
+      "validation": (90_000_000, 95_000_000),
+      "test": (95_000_000, 100_000_000),
+  }
 
 
 def test_verify_archive_checks_size_then_sha256(tmp_path):
-    source = _fake_archive(tmp_path / "enwik8.zip", "enwik8", b"abc")
-    corpora.verify_archive(tmp_path / "enwik8.zip", source)
-    with pytest.raises(ValueError, match=f"is {source.size:,} bytes but .* is {source.size + 1:,}"):
-        corpora.verify_archive(tmp_path / "enwik8.zip", replace(source, size=source.size + 1))
-    with pytest.raises(ValueError, match="sha256 .* expected 0000"):
-        corpora.verify_archive(tmp_path / "enwik8.zip", replace(source, sha256="0" * 64))
+  source = _fake_archive(tmp_path / "enwik8.zip", "enwik8", b"abc")
+  corpora.verify_archive(tmp_path / "enwik8.zip", source)
+  with pytest.raises(ValueError, match=f"is {source.size:,} bytes but .* is {source.size + 1:,}"):
+    corpora.verify_archive(tmp_path / "enwik8.zip", replace(source, size=source.size + 1))
+  with pytest.raises(ValueError, match="sha256 .* expected 0000"):
+    corpora.verify_archive(tmp_path / "enwik8.zip", replace(source, sha256="0" * 64))
 
 
 def test_read_archive_checks_member_length_and_md5(tmp_path):
-    source = _fake_archive(tmp_path / "enwik8.zip", "enwik8", b"abc")
-    assert corpora.read_archive(tmp_path / "enwik8.zip", source) == b"abc"
-    for change, match in [
-        ({"member": "enwik9"}, "no member 'enwik9'"),
-        ({"length": 4}, "is 3 bytes, expected 4"),
-        ({"md5": "f" * 32}, "MD5 .* expected ffff"),
-        ({"alphabet": b"ab"}, "byte 99 at offset 2"),
-    ]:
-        with pytest.raises(ValueError, match=match):
-            corpora.read_archive(tmp_path / "enwik8.zip", replace(source, **change))
+  source = _fake_archive(tmp_path / "enwik8.zip", "enwik8", b"abc")
+  assert corpora.read_archive(tmp_path / "enwik8.zip", source) == b"abc"
+  for change, match in [
+      ({"member": "enwik9"}, "no member 'enwik9'"),
+      ({"length": 4}, "is 3 bytes, expected 4"),
+      ({"md5": "f" * 32}, "MD5 .* expected ffff"),
+      ({"alphabet": b"ab"}, "byte 99 at offset 2"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      corpora.read_archive(tmp_path / "enwik8.zip", replace(source, **change))
 
 
 def test_failed_download_names_the_manual_dir(tmp_path):
-    source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
-    with pytest.raises(OSError, match="put the official text8.zip .* in the manual directory"):
-        corpora.fetch(source, manual_dir=tmp_path / "manual", download_dir=tmp_path / "downloads")
-    assert not list((tmp_path / "downloads").glob("*"))  # no partial file left behind
+  source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
+  with pytest.raises(OSError, match="put the official text8.zip .* in the manual directory"):
+    corpora.fetch(source, manual_dir=tmp_path / "manual", download_dir=tmp_path / "downloads")
+  assert not list((tmp_path / "downloads").glob("*"))  # no partial file left behind
 
 
 def test_failed_download_names_the_default_manual_dir(tmp_path):
-    """Without a manual directory the error names TFDS's default one, `<download_dir>/manual`,
-    where a file put by hand is then found."""
-    source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
-    downloads = tmp_path / "downloads"
-    with pytest.raises(OSError) as e:
-        corpora.fetch(source, manual_dir=None, download_dir=downloads)
-    assert "None" not in str(e.value)
-    assert (
-        f"put the official text8.zip (31,344,016 bytes) in the manual directory "
-        f"{downloads / 'manual'}, as {downloads / 'manual' / 'text8.zip'}"
-    ) in str(e.value)
-    fake = _fake_archive(downloads / "manual" / "text8.zip", "text8", b"abc")
-    fake = replace(fake, url=source.url)
-    assert corpora.fetch(fake, manual_dir=None, download_dir=downloads) == (
-        downloads / "manual" / "text8.zip"
-    )
+  """Without a manual directory the error names TFDS's default one, `<download_dir>/manual`,
+  where a file put by hand is then found."""
+  source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
+  downloads = tmp_path / "downloads"
+  with pytest.raises(OSError) as e:
+    corpora.fetch(source, manual_dir=None, download_dir=downloads)
+  assert "None" not in str(e.value)
+  assert (
+      f"put the official text8.zip (31,344,016 bytes) in the manual directory "
+      f"{downloads / 'manual'}, as {downloads / 'manual' / 'text8.zip'}"
+  ) in str(e.value)
+  fake = _fake_archive(downloads / "manual" / "text8.zip", "text8", b"abc")
+  fake = replace(fake, url=source.url)
+  assert corpora.fetch(fake, manual_dir=None, download_dir=downloads) == (
+      downloads / "manual" / "text8.zip"
+  )
 
 
 @pytest.mark.parametrize("given", [False, True])
 def test_builder_download_error_names_the_manual_dir(tmp_path, given):
-    """Through TFDS: the manual directory given (empty here), else the default
-    `<data_dir>/downloads/manual`, never None."""
-    source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
-    manual = tmp_path / "my_manual" if given else tmp_path / "data" / "downloads" / "manual"
-    with pytest.raises(OSError, match="could not download") as e:
-        builders.prepare(
-            _with_source(builders.Text8, source),
-            data_dir=tmp_path / "data",
-            manual_dir=manual if given else None,
-        )
-    assert f"in the manual directory {manual}, as {manual / 'text8.zip'}" in str(e.value)
-    assert "31,344,016 bytes" in str(e.value)
+  """Through TFDS: the manual directory given (empty here), else the default
+  `<data_dir>/downloads/manual`, never None."""
+  source = replace(corpora.TEXT8_SOURCE, url=(tmp_path / "missing.zip").as_uri())
+  manual = tmp_path / "my_manual" if given else tmp_path / "data" / "downloads" / "manual"
+  with pytest.raises(OSError, match="could not download") as e:
+    builders.prepare(
+        _with_source(builders.Text8, source),
+        data_dir=tmp_path / "data",
+        manual_dir=manual if given else None,
+    )
+  assert f"in the manual directory {manual}, as {manual / 'text8.zip'}" in str(e.value)
+  assert "31,344,016 bytes" in str(e.value)
 
 
 def test_builder_finds_a_zip_in_the_default_manual_dir(tmp_path, small_chunks):
-    content = b" what the default manual directory holds" * 4
-    manual = tmp_path / "data" / "downloads" / "manual"
-    source = _fake_archive(manual / "text8.zip", "text8", content)
-    source = replace(source, url=(tmp_path / "missing.zip").as_uri())  # no download possible
-    builder = builders.prepare(_with_source(builders.Text8, source), data_dir=tmp_path / "data")
-    splits = ("train", "validation", "test")
-    assert b"".join(builders.read_split(builder, s).tobytes() for s in splits) == content
+  content = b" what the default manual directory holds" * 4
+  manual = tmp_path / "data" / "downloads" / "manual"
+  source = _fake_archive(manual / "text8.zip", "text8", content)
+  source = replace(source, url=(tmp_path / "missing.zip").as_uri())  # no download possible
+  builder = builders.prepare(_with_source(builders.Text8, source), data_dir=tmp_path / "data")
+  splits = ("train", "validation", "test")
+  assert b"".join(builders.read_split(builder, s).tobytes() for s in splits) == content
 
 
 @pytest.fixture
 def silent_server():
-    """A local URL whose server accepts connections (the kernel's backlog) and never answers."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-        server.bind(("127.0.0.1", 0))
-        server.listen(4)
-        yield f"http://127.0.0.1:{server.getsockname()[1]}/text8.zip"
+  """A local URL whose server accepts connections (the kernel's backlog) and never answers."""
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    yield f"http://127.0.0.1:{server.getsockname()[1]}/text8.zip"
 
 
 def test_download_times_out(tmp_path, silent_server):
-    source = replace(corpora.TEXT8_SOURCE, url=silent_server)
-    start = time.monotonic()
-    with pytest.raises(OSError, match=r"could not download .*timed out.* manual directory") as e:
-        corpora.fetch(
-            source, manual_dir=None, download_dir=tmp_path / "downloads", timeout=0.2
-        )
-    assert time.monotonic() - start < 10
-    assert str(tmp_path / "downloads" / "manual" / "text8.zip") in str(e.value)
-    assert not list((tmp_path / "downloads").glob("*"))  # no partial file left behind
-    assert corpora.DOWNLOAD_TIMEOUT_S == 60  # the default: per socket operation, not in total
+  source = replace(corpora.TEXT8_SOURCE, url=silent_server)
+  start = time.monotonic()
+  with pytest.raises(OSError, match=r"could not download .*timed out.* manual directory") as e:
+    corpora.fetch(
+        source, manual_dir=None, download_dir=tmp_path / "downloads", timeout=0.2
+    )
+  assert time.monotonic() - start < 10
+  assert str(tmp_path / "downloads" / "manual" / "text8.zip") in str(e.value)
+  assert not list((tmp_path / "downloads").glob("*"))  # no partial file left behind
+  assert corpora.DOWNLOAD_TIMEOUT_S == 60  # the default: per socket operation, not in total

@@ -15,7 +15,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
-import distance_distractors as dd  # noqa: E402  pylint: disable=wrong-import-position
+import distance_distractors as dd
 
 
 @pytest.fixture(scope="module")

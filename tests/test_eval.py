@@ -10,7 +10,7 @@ from flax import nnx
 
 from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 from longformer_jax.config import CharLMConfig
-from longformer_jax.evaluation import evaluate_bpc, evaluate_nll, window_plan
+from longformer_jax.tasks.charlm import evaluate_bpc, evaluate_nll, window_plan
 
 MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                      intermediate_size=64, attention_window=(4, 8))
@@ -100,8 +100,8 @@ def test_bad_arguments_name_the_values():
 def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, monkeypatch):
   """eval.bpc: an unwritable --output fails before any evaluation; a NaN result exits 1 and
   writes nothing (a checkpoint with broken weights must not look like a result)."""
-  from eval import bpc  # pylint: disable=g-import-not-at-top
-  import longformer_jax.evaluation as evaluation  # pylint: disable=g-import-not-at-top
+  from eval import bpc
+  import longformer_jax.tasks.charlm as evaluation
   text = tmp_path / "text.txt"
   text.write_bytes(b"some bytes to score")
   calls = []

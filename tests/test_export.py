@@ -311,9 +311,8 @@ def test_led_encoder_and_decode_steps_equal_the_model(served):
 
 def _stable_custom_calls() -> frozenset[str]:
   """The custom-call targets jax.export serializes: those with a compatibility guarantee."""
-  # pylint: disable-next=g-import-not-at-top,protected-access
   from jax._src.export import _export
-  return frozenset(_export._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE)  # pylint: disable=W0212
+  return frozenset(_export._CUSTOM_CALL_TARGETS_GUARANTEED_STABLE)
 
 
 def test_tpu_export_keeps_the_mosaic_kernel():
@@ -393,11 +392,9 @@ def run_dir(tmp_path_factory):
   parameter sets. Not trained: a training step compiles its program, its health check and its
   checksums (16 s of CPU here), and nothing the CLI reads depends on how the parameters were
   reached (it reads no optimizer state: the parameters stand in for it)."""
-  # pylint: disable=g-import-not-at-top
   from longformer_jax import checkpoint
-  from longformer_jax.training import (CharLMTask, Stage, TrainConfig, config_record,
-                                       write_run_config)
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import CharLMTask
+  from longformer_jax.training import Stage, TrainConfig, config_record, write_run_config
   workdir = tmp_path_factory.mktemp("export_cli") / "run"
   cfg = TrainConfig(model=RUN_MODEL, stages=(Stage(seq_len=16, batch_size=4, steps=2,
                                                    learning_rate=3e-3, windows=RUN_WINDOWS),),
@@ -423,8 +420,8 @@ def test_cli_exports_a_trained_run(run_dir, tmp_path, capsys):
   mesh): an archive with a program per length whose manifest says what they are; one of them
   (the other is the same export at another length) equals the checkpoint's model with the run's
   last-stage windows."""
-  from eval import export as cli  # pylint: disable=g-import-not-at-top
-  from longformer_jax import checkpoint  # pylint: disable=g-import-not-at-top
+  from eval import export as cli
+  from longformer_jax import checkpoint
   out = tmp_path / "char.zip"
   assert cli.main(["--workdir", str(run_dir), "--out", str(out), "--seq-len", "12", "8",
                    "--batch-size", "2", "--step", "1"]) == 0
@@ -451,10 +448,8 @@ def test_cli_exports_a_trained_run(run_dir, tmp_path, capsys):
 def test_cli_knows_each_runs_class_and_reads_model_checkpoints(tmp_path, capsys):
   """A training workdir's model class follows its run record; a model checkpoint directory
   (`save_model`) is exported as it is."""
-  # pylint: disable=g-import-not-at-top
   from eval import export as cli
   from longformer_jax import checkpoint
-  # pylint: enable=g-import-not-at-top
   for task, cls in (("qa", "LongformerForQuestionAnswering"),
                     ("multiple_choice", "LongformerForMultipleChoice"),
                     (None, "LongformerForMaskedLM")):  # an MLM run records no task
@@ -474,7 +469,7 @@ def test_cli_knows_each_runs_class_and_reads_model_checkpoints(tmp_path, capsys)
 def test_cli_exports_led_as_three_programs_per_length(served, tmp_path, capsys, monkeypatch):
   """An LED model is exported as encode, init_cache and decode_step per length, decoding
   num_beams rows per example over a cache of max_length positions."""
-  from eval import export as cli  # pylint: disable=g-import-not-at-top
+  from eval import export as cli
   model = served[0]["models"]["LED"]
   monkeypatch.setattr(cli, "load_model", lambda path, step: (model, {"source": path,
                                                                      "kind": "checkpoint"}))
@@ -499,7 +494,7 @@ def test_cli_exports_led_as_three_programs_per_length(served, tmp_path, capsys, 
     (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
 ])
 def test_cli_bad_arguments_exit_2_in_one_line(run_dir, tmp_path, capsys, args, message):
-  from eval import export as cli  # pylint: disable=g-import-not-at-top
+  from eval import export as cli
   base = {"--workdir": str(run_dir), "--out": str(tmp_path / "x.zip"), "--seq-len": "8"}
   for flag, value in zip(args[::2], args[1::2]):
     base[flag] = value
@@ -512,7 +507,7 @@ def test_cli_bad_arguments_exit_2_in_one_line(run_dir, tmp_path, capsys, args, m
 
 
 def test_cli_nothing_to_export_exits_1(tmp_path, capsys):
-  from eval import export as cli  # pylint: disable=g-import-not-at-top
+  from eval import export as cli
   assert cli.main(["--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "x.zip"),
                    "--seq-len", "8"]) == 1
   err = capsys.readouterr().err

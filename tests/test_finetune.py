@@ -17,7 +17,7 @@ from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from longformer_jax.data import finetune_data as fd
-from longformer_jax.training import finetune as ft
+from longformer_jax.tasks import finetune as ft
 from train import finetune as cli
 
 pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
@@ -45,7 +45,7 @@ def data(tmp_path_factory):
   tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
   tokenizer.save(str(root / "tokenizer.json"))
   rng = random.Random(0)
-  filler = lambda n: [f"w{rng.randrange(60)}" for _ in range(n)]  # noqa: E731
+  filler = lambda n: [f"w{rng.randrange(60)}" for _ in range(n)]
   out = {"tokenizer": str(root / "tokenizer.json"), "root": root}
   for split, n in (("train", 16), ("valid", 6)):
     cls, tag, qa, mc = [], [], [], []
@@ -244,7 +244,7 @@ def test_far_token_reaches_s_only_through_global_attention():
     batch = {"input_ids": ids_2xN, "attention_mask": np.ones_like(ids_2xN),
              "global_attention_mask": np.repeat(
                  (np.arange(128) < global_length)[None].astype(np.int32), 2, axis=0)}
-    logits_2xL = nnx.jit(lambda m, b, g=global_length: ft.task_logits(  # noqa: E731
+    logits_2xL = nnx.jit(lambda m, b, g=global_length: ft.task_logits(
         m, "classification", b, g)["logits"])(model, batch)
     assert bool(jnp.any(logits_2xL[0] != logits_2xL[1])) == differs
 
@@ -279,7 +279,7 @@ def test_long_range_label_is_learned_only_with_global_attention(tmp_path):
 
 
 def test_initial_params_load_the_encoder_and_start_a_new_head(tmp_path):
-  from longformer_jax import checkpoint, modeling  # pylint: disable=import-outside-toplevel
+  from longformer_jax import checkpoint, modeling
   config = ft.tiny_config(num_hidden_layers=1)
   checkpoint.save_model(tmp_path / "mlm",
                         modeling.LongformerForMaskedLM(config, rngs=nnx.Rngs(1)))
@@ -361,5 +361,5 @@ def test_qa_targets_and_offsets_recover_the_answer(data):
 
 
 def ft_tokenizer(data):
-  from longformer_jax.data import text  # pylint: disable=import-outside-toplevel
+  from longformer_jax.data import text
   return text.load_tokenizer(data["tokenizer"])

@@ -25,6 +25,7 @@ from longformer_jax import checkpoint, generation
 from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig
 from longformer_jax.generation import SamplingConfig
+from longformer_jax.tasks import CharLMTask
 from longformer_jax.training import Stage, TrainConfig, train
 from tests.testing import assert_close, seed_of, tolerance
 
@@ -44,7 +45,7 @@ CACHE_LENS = (3, 10, 21)
 ROWS, LENGTH = 128, 96
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(cfg=CONFIG):
   return LongformerForCausalLM(cfg, rngs=nnx.Rngs(0))
 
@@ -53,7 +54,7 @@ def _prompt(batch, length, name="prompt"):
   return np.random.default_rng(seed_of(name, batch, length)).integers(0, 256, (batch, length))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward(cfg, windows):
   graphdef, state = nnx.split(_model(cfg))
   return functools.partial(jax.jit(lambda state, x: nnx.merge(graphdef, state)(
@@ -190,7 +191,7 @@ def test_cache_memory_does_not_grow_with_the_length():
   ring buffer [B, K, H, D] with K = window * max dilation + 1) has the same shapes for 8 and
   4,000 new tokens after a 50- or a 3-byte prompt."""
   graphdef, state = nnx.split(_model())
-  generate_fn = generation._generate_fn  # pylint: disable=protected-access
+  generate_fn = generation._generate_fn
   inputs = []
   for max_new, prompt_len in [(8, 50), (4000, 3)]:
     run = generate_fn(graphdef, None, max_new, SamplingConfig(), False)
@@ -237,7 +238,7 @@ def run_dir(tmp_path_factory):
                                                    learning_rate=3e-3, windows=RUN_WINDOWS),),
                     eval_every=10_000, checkpoint_every=1, async_checkpoints=False)
   text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 100, np.uint8)
-  train(cfg, workdir, train_data=text, progress=False)
+  train(cfg, workdir, CharLMTask(text), progress=False)
   assert checkpoint.checkpoint_steps(workdir) == [1, 2]
   return workdir
 
@@ -264,7 +265,7 @@ def test_cli_samples_a_trained_run(run_dir):
 
 
 def test_cli_step_seed_and_filters(run_dir, capsys):
-  from eval import sample  # pylint: disable=g-import-not-at-top
+  from eval import sample
   args = ["--workdir", str(run_dir), "--prompt", "the", "--max-new-tokens", "30", "--step", "1",
           "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7"]
   assert sample.main(args) == 0
@@ -285,7 +286,7 @@ def test_cli_step_seed_and_filters(run_dir, capsys):
     (["--prompt", ""], "the prompt must hold at least one token"),
 ])
 def test_cli_bad_arguments_exit_2_in_one_line(run_dir, capsys, args, message):
-  from eval import sample  # pylint: disable=g-import-not-at-top
+  from eval import sample
   base = {"--workdir": str(run_dir), "--prompt": "abc"}
   for flag, value in zip(args[::2], args[1::2]):
     base[flag] = value
@@ -299,7 +300,7 @@ def test_cli_bad_arguments_exit_2_in_one_line(run_dir, capsys, args, message):
 @pytest.mark.parametrize("where, message", [
     ("step", "no checkpoint of step 3"), ("workdir", "run_config.json")])
 def test_cli_missing_run_or_step_exits_1_in_one_line(run_dir, tmp_path, capsys, where, message):
-  from eval import sample  # pylint: disable=g-import-not-at-top
+  from eval import sample
   args = ["--workdir", str(run_dir if where == "step" else tmp_path / "nothing"),
           "--prompt", "abc", "--step", "3"]
   assert sample.main(args) == 1

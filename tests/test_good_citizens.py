@@ -93,7 +93,7 @@ _STATE_PROBE = textwrap.dedent("""
   import numpy as np
   before = snapshot()
   import longformer_jax as lj
-  from longformer_jax import checkpoint, data, evaluation, training
+  from longformer_jax import checkpoint, data, tasks, training
   same(before, snapshot(), "import")
 
   from flax import nnx

@@ -22,7 +22,7 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_suite  # noqa: E402  pylint: disable=wrong-import-position
+import gpu_suite
 
 SECTIONS = ("correctness", "attention", "model", "cudnn_window", "peers", "block_sweep")
 
@@ -113,10 +113,10 @@ def test_attention_and_cudnn_sections(tiny):
 
 
 def test_block_sweep_prints_a_pasteable_literal(tiny):
-  from longformer_jax.ops.band_pallas import BlockSizes  # pylint: disable=import-outside-toplevel
+  from longformer_jax.ops.band_pallas import BlockSizes
   _, report = tiny
   sweep = report["sections"]["block_sweep"]["notes"]["sweep"]
-  best = eval(sweep["best_literal"], {"BlockSizes": BlockSizes})  # pylint: disable=eval-used
+  best = eval(sweep["best_literal"], {"BlockSizes": BlockSizes})
   assert isinstance(best, BlockSizes) and best == BlockSizes(**sweep["best"])
   assert len(rows(report, "block_sweep", status="ok")) >= 2
 
@@ -149,7 +149,7 @@ def test_compare_outputs_flags_a_perturbed_output():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_jax_and_torch_generate_the_same_inputs(dtype):
   torch = pytest.importorskip("torch")
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
   shape = (2, 300, 3, 16)
   x = gpu_suite.hashed_jax(shape, 5, jnp.dtype(dtype))
   t = gpu_suite.hashed_torch(shape, 5, getattr(torch, dtype), "cpu")
@@ -192,8 +192,8 @@ def test_cudnn_verdict():
 
 def test_model_flops_of_the_base_model():
   """benchmarks/model.py's count against one written out by hand (docs in its docstring)."""
-  import model as model_bench  # pylint: disable=import-outside-toplevel
-  from longformer_jax import LongformerConfig  # pylint: disable=import-outside-toplevel
+  import model as model_bench
+  from longformer_jax import LongformerConfig
   config = LongformerConfig.base()
   seq, batch, e, inner, vocab, layers, w = 4096, 8, 768, 3072, 50265, 12, 256
   layer = 7 * (e * e + e) + 2 * 2 * e + (e * inner + inner) + (inner * e + e)  # 7: q k v o, global

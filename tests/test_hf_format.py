@@ -274,7 +274,7 @@ _NEEDS = "loading into transformers needs torch: pip install -e '.[torch]'"
 def test_transformers_loads_saved_directory(saved, name):
   torch = pytest.importorskip("torch", reason=_NEEDS)
   transformers = pytest.importorskip("transformers", reason=_NEEDS)
-  from safetensors import safe_open  # pylint: disable=import-outside-toplevel
+  from safetensors import safe_open
 
   directory = saved / name
   hf_model, info = getattr(transformers, AUTO[name]).from_pretrained(
@@ -307,7 +307,7 @@ def test_hub_repo_with_only_pytorch_model_bin(saved, tmp_path, monkeypatch):
   """Without safetensors weights on the Hub, the pytorch_model.bin is read (torch installed)."""
   torch = pytest.importorskip("torch", reason=_NEEDS)
   huggingface_hub = pytest.importorskip("huggingface_hub", reason=_NEEDS)
-  from safetensors.numpy import load_file  # pylint: disable=import-outside-toplevel
+  from safetensors.numpy import load_file
   monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
   source = saved / "LongformerForQuestionAnswering"
   state = {k: torch.from_numpy(v) for k, v in load_file(source / "model.safetensors").items()}

@@ -21,7 +21,7 @@ _NEEDS = "LED is tested against PyTorch HF models: pip install -e '.[torch]'"
 torch = pytest.importorskip("torch", reason=_NEEDS)
 transformers = pytest.importorskip("transformers", reason=_NEEDS)
 
-from hf_testing import randomise_  # pylint: disable=wrong-import-position
+from hf_testing import randomise_
 from longformer_jax import LEDConfig, convert, led
 from longformer_jax.layers import LOGICAL_AXES
 
@@ -237,8 +237,8 @@ def test_bart_to_led_matches_bart():
   with torch.no_grad():
     theirs = bart(**{k: torch.tensor(v) for k, v in inputs.items()})
   args = {k: jnp.asarray(v) for k, v in inputs.items()}
-  for global_mask in (np.zeros_like(global_mask), global_mask):
-    ours = forward(model, dict(args, global_attention_mask=jnp.asarray(global_mask)))
+  for mask in (np.zeros_like(global_mask), global_mask):
+    ours = forward(model, dict(args, global_attention_mask=jnp.asarray(mask)))
     assert_close(ours.logits, theirs.logits, inputs["decoder_attention_mask"].astype(bool))
     assert_close(ours.encoder_last_hidden_state, theirs.encoder_last_hidden_state,
                  inputs["attention_mask"].astype(bool))

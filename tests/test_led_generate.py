@@ -21,8 +21,8 @@ _NEEDS = "LED generation is tested against PyTorch HF models: pip install -e '.[
 torch = pytest.importorskip("torch", reason=_NEEDS)
 transformers = pytest.importorskip("transformers", reason=_NEEDS)
 
-from hf_testing import randomise_  # pylint: disable=wrong-import-position
-from longformer_jax import convert, led, search  # pylint: disable=wrong-import-position
+from hf_testing import randomise_
+from longformer_jax import convert, led, search
 
 VOCAB, EOS, PAD, START = 48, 2, 1, 2  # HF LEDConfig's token ids (eos = decoder start)
 ENC_LEN, ENC_LENGTHS = 21, (21, 15, 6, 11)
@@ -142,7 +142,7 @@ def test_one_compiled_loop_no_retrace(monkeypatch):
     return decode_step(self, ids, cache)
 
   programs = []
-  generate_fn = led._generate_fn  # pylint: disable=protected-access
+  generate_fn = led._generate_fn
 
   def spy(graphdef, settings):
     run = generate_fn(graphdef, settings)

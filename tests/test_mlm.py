@@ -1,4 +1,4 @@
-"""Masked-LM pretraining (`training.mlm`, `data.tokenized`, `python -m train.mlm`, `eval.mlm`):
+"""Masked-LM pretraining (`tasks.mlm`, `data.tokenized`, `python -m train.mlm`, `eval.mlm`):
 RoBERTa's masking statistics, packing, the bits-per-character definition on a hand-computed
 example, the paper preset's schedule, steps that are functions of the step (exact resume), and
 the command line end to end from a tiny RoBERTa (positions copied) with a resume, and bad
@@ -23,7 +23,8 @@ from flax import nnx
 from longformer_jax import LongformerConfig, LongformerForMaskedLM
 from longformer_jax.data import text, tokenized
 from longformer_jax.training import Stage, TrainConfig, Trainer, learning_rate_schedule
-from longformer_jax.training import mlm, sources
+from longformer_jax.tasks import mlm
+from longformer_jax.training import sources
 from tests.testing import seed_of
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,12 +246,12 @@ def test_steps_are_functions_of_the_step_so_a_resume_is_exact(tokenizer):
 
 def _tiny_roberta(directory: Path, tokenizer) -> None:
   """A RobertaForMaskedLM with 32 positions and `tokenizer`, saved like a hub download."""
-  import transformers  # pylint: disable=g-import-not-at-top
+  import transformers
   config = transformers.RobertaConfig(
       vocab_size=tokenizer.get_vocab_size(), hidden_size=32, num_hidden_layers=1,
       num_attention_heads=2, intermediate_size=64, max_position_embeddings=34,
       type_vocab_size=1, pad_token_id=1, bos_token_id=0, eos_token_id=2)
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   torch.manual_seed(0)
   transformers.RobertaForMaskedLM(config).save_pretrained(directory)
   tokenizer.save(str(directory / "tokenizer.json"))
@@ -301,7 +302,7 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
   assert all(math.isfinite(results["eval"][k]) for k in ("loss", "bits_per_token", "bpc"))
   assert results["valid_bpc"] > 0
 
-  from eval.mlm import main as eval_main  # pylint: disable=g-import-not-at-top
+  from eval.mlm import main as eval_main
   monkeypatch.setenv("LONGFORMER_JAX_CACHE", str(tmp_path / "cache"))
   assert eval_main(["--workdir", str(workdir), "--split", "validation", "--max-tokens", "512",
                     "--no-progress"]) == 0
@@ -317,7 +318,7 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
     (["--preset", "mlm_tiny", "--set", "stages.0.sequence=3"], "unknown field 'sequence'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message, capsys, tmp_path):
-  from train.mlm import main  # pylint: disable=g-import-not-at-top
+  from train.mlm import main
   with pytest.raises(SystemExit) as exit_info:
     main([*args, "--workdir", str(tmp_path / "w"), "--no-progress"])
   assert exit_info.value.code == 2

@@ -89,8 +89,8 @@ def test_lm_head_at_the_masked_positions_equals_the_full_logits():
                                axis=-1)[..., 0]
     return jnp.sum(nll * weights) / jnp.sum(weights)
 
-  full_fn = lambda m: loss(m(**inputs).logits, jnp.asarray(labels))  # noqa: E731
-  sparse_fn = lambda m: loss(m(**inputs, prediction_positions=positions).logits,  # noqa: E731
+  full_fn = lambda m: loss(m(**inputs).logits, jnp.asarray(labels))
+  sparse_fn = lambda m: loss(m(**inputs, prediction_positions=positions).logits,
                              picked)
   full = model(**inputs).logits
   sparse = model(**inputs, prediction_positions=positions).logits

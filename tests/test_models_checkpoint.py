@@ -14,7 +14,7 @@ from flax import nnx
 from longformer_jax import checkpoint, modeling
 from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig, LongformerConfig
-from longformer_jax.evaluation import evaluate_bpc, evaluate_run
+from longformer_jax.tasks.charlm import CharLMTask, evaluate_bpc, evaluate_run
 from longformer_jax.training import Stage, TrainConfig, Trainer, train
 
 CONFIG = LongformerConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3,
@@ -92,7 +92,7 @@ def _trained_run(workdir):
       Stage(seq_len=16, batch_size=4, steps=2, learning_rate=1e-2, windows=(2, 6)),),
                     eval_every=10_000, checkpoint_every=1, async_checkpoints=False)
   data = np.random.default_rng(0).integers(0, 256, 2048).astype(np.uint8)
-  train(cfg, workdir, train_data=data, progress=False)
+  train(cfg, workdir, CharLMTask(data), progress=False)
   return cfg
 
 
@@ -105,7 +105,7 @@ def _assert_same_params(a, b):
 
 def test_load_params_never_reads_the_optimizer_state(tmp_path):
   cfg = _trained_run(tmp_path)
-  trainer = Trainer(cfg)
+  trainer = Trainer(cfg, task=CharLMTask())
   trained = {step: trainer.restore(tmp_path, step)[0].params for step in (1, 2)}
   # Step 2 loses its optimizer state, step 1's is overwritten with garbage.
   shutil.rmtree(tmp_path / "checkpoints" / "2" / "opt_state")
@@ -151,8 +151,8 @@ def test_settling_a_failed_orbax_call_leaves_the_callers_futures_alone():
     try:
       raise RuntimeError("a failed save")
     except RuntimeError as e:
-      checkpoint._after_failure(e)  # pylint: disable=protected-access
-    assert mine._log_traceback  # pylint: disable=protected-access
+      checkpoint._after_failure(e)
+    assert mine._log_traceback
     mine.exception()  # retrieved here, so nothing is printed when the test ends
   finally:
     loop.close()

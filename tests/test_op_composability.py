@@ -10,7 +10,6 @@ fewer, `test_on_four_devices` reruns this file in a subprocess with
 
 from __future__ import annotations
 
-import re
 import warnings
 from pathlib import Path
 
@@ -290,7 +289,7 @@ out = attend_sharded(q, k, v, attention_mask, global_mask, q_g, k_g, v_g)  # [2,
     docs = (Path(__file__).parent.parent / "docs" / "models.md").read_text()
     assert DOCS_SNIPPET in docs, "the snippet of docs/models.md changed: update DOCS_SNIPPET"
     scope = {}
-    exec(compile(DOCS_SNIPPET, "docs/models.md", "exec"), scope)  # pylint: disable=exec-used
+    exec(compile(DOCS_SNIPPET, "docs/models.md", "exec"), scope)
     q, k, v, q_g, k_g, v_g, attention_mask, global_mask = (
         np.asarray(jax.device_get(scope[n]))
         for n in ("q", "k", "v", "q_g", "k_g", "v_g", "attention_mask", "global_mask"))

@@ -29,7 +29,7 @@ import pytest
 import orbax.checkpoint as ocp
 
 from longformer_jax import checkpoint
-from longformer_jax.evaluation import evaluate_run
+from longformer_jax.tasks.charlm import CharLMTask, evaluate_run
 from longformer_jax.training import (RunMismatchError, Trainer, check_resume, config_record,
                                      read_run_config)
 from tests.testing import seed_of
@@ -227,7 +227,7 @@ def _damage(workdir: Path, kind: str, item: str = "params", step: int = 8) -> No
   elif kind == "altered":
     # One weight one ulp off, written by Orbax itself: it decodes perfectly, and only the
     # checksums can tell.
-    trainer = Trainer(read_run_config(workdir))
+    trainer = Trainer(read_run_config(workdir), task=CharLMTask())
     target = trainer.abstract_state().params if item == "params" else (
         trainer.abstract_state().opt_state)
     tree = ocp.StandardCheckpointer().restore(item_dir, target)
@@ -430,15 +430,15 @@ def test_a_resume_with_another_model_or_data_is_refused_before_anything_is_writt
 
 
 def _record(**changes):
-  from longformer_jax.config import CharLMConfig  # pylint: disable=g-import-not-at-top
-  from longformer_jax.training import Stage, TrainConfig  # pylint: disable=g-import-not-at-top
+  from longformer_jax.config import CharLMConfig
+  from longformer_jax.training import Stage, TrainConfig
   stages = changes.pop("stages", (Stage(16, 4, 10, 1e-3), Stage(32, 2, 10, 5e-4)))
   cfg = TrainConfig(model=CharLMConfig.tiny(), stages=stages, **changes)
   return {**config_record(cfg), "data": {"train_sha256": "ab"}}
 
 
 def test_resume_rules():
-  from longformer_jax.training import Stage  # pylint: disable=g-import-not-at-top
+  from longformer_jax.training import Stage
   stored = _record()
   # Free: how the run is executed and reported.
   assert check_resume(stored, _record(eval_every=7, mesh_shape=(1, 1), microbatch_size=2,
@@ -544,8 +544,8 @@ class _FailedSaves:
 
 def test_save_failure_is_seen_at_the_next_check(tmp_path):
   writer = checkpoint.TrainCheckpoints(tmp_path / "checkpoints")
-  writer._manager.close()  # pylint: disable=protected-access
-  writer._manager = _FailedSaves()  # pylint: disable=protected-access
+  writer._manager.close()
+  writer._manager = _FailedSaves()
   tree = {"w": jnp.ones(3)}
   assert writer.save(2, tree, tree, {"step": 2})
   with pytest.raises(checkpoint.CheckpointSaveError) as e:

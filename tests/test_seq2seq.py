@@ -1,4 +1,4 @@
-"""Fine-tuning LED on JSONL pairs (`python -m train.seq2seq`, `training.seq2seq`,
+"""Fine-tuning LED on JSONL pairs (`python -m train.seq2seq`, `tasks.seq2seq`,
 `data.text`): a tiny random LED learns a copy task over an 8-word alphabet (the loss falls,
 results.json and the predictions files are written with ROUGE in [0, 1]), a rerun resumes, a bad
 JSONL line is a one-line error naming file, line and field (exit status 2), and the first loss of
@@ -27,7 +27,7 @@ from flax import nnx
 from longformer_jax import checkpoint, led
 from longformer_jax.config import LEDConfig
 from longformer_jax.data import text
-from longformer_jax.training import seq2seq
+from longformer_jax.tasks import seq2seq
 from testing import seed_of
 from train import seq2seq as cli
 
@@ -67,7 +67,7 @@ def files(tmp_path_factory) -> Path:
   """tokenizer.json (WordLevel over WORDS, BART's special tokens and `<s> $A </s>` template),
   train (64 pairs), validation and test (8 each) JSONL files."""
   base = tmp_path_factory.mktemp("seq2seq")
-  from tokenizers import models, pre_tokenizers, processors  # pylint: disable=g-import-not-at-top
+  from tokenizers import models, pre_tokenizers, processors
   vocab = {token: i for i, token in enumerate(SPECIALS + tuple(WORDS))}
   tokenizer = tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
   tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -238,7 +238,7 @@ def test_example_sampler_resumes_and_splits_between_processes():
 
 
 def _hf_loss(hf_model, batch) -> float:
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   kwargs = {k: torch.from_numpy(v).long() for k, v in batch.items()}
   if "global_attention_mask" in kwargs and "bart" in type(hf_model).__name__.lower():
     del kwargs["global_attention_mask"]
@@ -248,7 +248,7 @@ def _hf_loss(hf_model, batch) -> float:
 
 def _task_loss(cfg, task, source, batch) -> float:
   """The run's first loss as `train` computes it, dropout off (HF's model is in eval mode)."""
-  from longformer_jax.training import Trainer  # pylint: disable=g-import-not-at-top
+  from longformer_jax.training import Trainer
   trainer = Trainer(dataclasses.replace(cfg, model=cfg.model.replace(dropout=0.0)), task=task)
   model = trainer.model(trainer.init_state(source.params).params)
   # Jitted: run op by op, the model would compile hundreds of small programs.
@@ -258,7 +258,7 @@ def _task_loss(cfg, task, source, batch) -> float:
 
 def test_hf_led_directory(files, tmp_path):
   transformers = pytest.importorskip("transformers")
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   torch.manual_seed(seed_of("seq2seq hf led"))
   hf = transformers.LEDForConditionalGeneration(transformers.LEDConfig(**HF_LED))
   with torch.no_grad():
@@ -273,7 +273,7 @@ def test_hf_led_directory(files, tmp_path):
   batch = seq2seq.training_batch(splits["train"], range(8), pad_token_id=1,
                                  global_attention=task.global_attention)
   assert _task_loss(cfg, task, source, batch) == pytest.approx(_hf_loss(hf, batch), abs=1e-5)
-  from longformer_jax.training import Trainer  # pylint: disable=g-import-not-at-top
+  from longformer_jax.training import Trainer
   partial = {k: v for k, v in source.params.items() if k != "final_logits_bias"}
   with pytest.raises(ValueError, match=r"missing \['final_logits_bias'\]"):
     Trainer(cfg, task=task).init_state(partial)
@@ -281,7 +281,7 @@ def test_hf_led_directory(files, tmp_path):
 
 def test_bart_directory_made_long(files, tmp_path):
   transformers = pytest.importorskip("transformers")
-  import torch  # pylint: disable=g-import-not-at-top
+  import torch
   torch.manual_seed(seed_of("seq2seq bart"))
   fields = {k: v for k, v in HF_LED.items() if not k.startswith(("max_", "attention_"))}
   bart = transformers.BartForConditionalGeneration(transformers.BartConfig(

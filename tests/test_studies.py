@@ -14,8 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
-import dilation  # noqa: E402  pylint: disable=wrong-import-position
-import window_schedule  # noqa: E402  pylint: disable=wrong-import-position
+import dilation
+import window_schedule
 
 SEEDS = [0, 1]
 

@@ -189,8 +189,9 @@ def test_char_lm_train_step_compiles_on_a_multi_host_slice(mesh_shape):
   4-host v5e:4x4 slice with a (data, fsdp, seq) mesh, the seq axis inside a host (2, 2, 4) or
   across two hosts (1, 2, 8): every layer's band runs the Mosaic kernel (3 calls: forward, dQ,
   dK/dV) inside shard_map, and the halos move by collective-permute."""
-  from longformer_jax.config import CharLMConfig  # pylint: disable=g-import-not-at-top
-  from longformer_jax.training import Stage, TrainConfig, Trainer, make_mesh  # pylint: disable=g-import-not-at-top
+  from longformer_jax.config import CharLMConfig
+  from longformer_jax.tasks import CharLMTask
+  from longformer_jax.training import Stage, TrainConfig, Trainer, make_mesh
   tpu_testing.require_libtpu()
   devices = tpu_testing.topology("v5e:4x4").devices
   assert len({d.process_index for d in devices}) == 4  # a multi-host slice
@@ -200,7 +201,7 @@ def test_char_lm_train_step_compiles_on_a_multi_host_slice(mesh_shape):
                          intermediate_size=256, attention_window=(64, 128)),
       stages=(Stage(seq_len=seq, batch_size=batch, steps=1, learning_rate=1e-3),),
       mesh_shape=mesh_shape)
-  trainer = Trainer(cfg, make_mesh(cfg.mesh_shape, devices))
+  trainer = Trainer(cfg, make_mesh(cfg.mesh_shape, devices), task=CharLMTask())
   tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
   compiled = trainer.lower_train_step(0, {"inputs": tokens, "targets": tokens}).compile()
   assert tpu_testing.mosaic_calls(compiled) == 3 * layers
@@ -211,7 +212,7 @@ def test_char_lm_train_step_compiles_on_a_multi_host_slice(mesh_shape):
 def test_row_groups_on_a_multi_host_slice():
   """Which rows each of the 4 hosts of a v5e:4x4 slice feeds: its own when the seq axis stays
   inside a host, the same as the hosts that share its sequences when it does not."""
-  from longformer_jax.training.sharding import LOGICAL_RULES, batch_sharding, make_mesh, row_group  # pylint: disable=g-import-not-at-top
+  from longformer_jax.training.sharding import LOGICAL_RULES, batch_sharding, make_mesh, row_group
   tpu_testing.require_libtpu()
   devices = tpu_testing.topology("v5e:4x4").devices
   shape = (8, 4096)

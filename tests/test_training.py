@@ -22,7 +22,8 @@ from jax.sharding import AbstractMesh, PartitionSpec as P
 from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.layers import LOGICAL_AXES
 from longformer_jax.modeling import LongformerForMaskedLM
-from longformer_jax.training import (LOGICAL_RULES, CharLMTask, NonFiniteLossError, Stage,
+from longformer_jax.tasks import CharLMTask
+from longformer_jax.training import (LOGICAL_RULES, NonFiniteLossError, Stage,
                                      Task, TrainConfig, Trainer, batch_sharding, make_mesh,
                                      paper_stages, read_run_config, train, write_run_config)
 from longformer_jax.training.sharding import seq_axis
@@ -47,16 +48,15 @@ def _bytes(n=4096, seed=0):
 
 def _run(cfg, workdir, data, **kw):
   losses = {}
-  if data is not None:
-    kw["train_data"] = data
-  summary = train(cfg, workdir, progress=False,
+  task = kw.pop("task", None) or CharLMTask(data)
+  summary = train(cfg, workdir, task, progress=False,
                   step_hook=lambda step, m: losses.__setitem__(step, m["loss"]), **kw)
   return summary, losses
 
 
 def _golden_steps(cfg, num_steps):
   """[loss, grad_norm] of each of `num_steps` steps on one fixed batch."""
-  trainer = Trainer(cfg)
+  trainer = Trainer(cfg, task=CharLMTask())
   state = trainer.init_state()
   tokens = _bytes(4 * 17).reshape(4, 17).astype(np.int32)
   batch = trainer.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, 4)
@@ -111,7 +111,7 @@ def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
       os.kill(os.getpid(), signal.SIGTERM)
 
   losses_a = {}
-  summary = train(cfg, tmp_path / "b", train_data=data, progress=False,
+  summary = train(cfg, tmp_path / "b", CharLMTask(data), progress=False,
                   step_hook=lambda s, m: (losses_a.__setitem__(s, m["loss"]), preempt(s, m)))
   assert summary["status"] == "preempted" and summary["step"] == 4
   assert (tmp_path / "b" / "checkpoints" / "4").is_dir()
@@ -169,7 +169,7 @@ _MULTI_DEVICE = textwrap.dedent("""
     import jax, numpy as np
     from longformer_jax import checkpoint
     from longformer_jax.config import CharLMConfig
-    from longformer_jax.evaluation import evaluate_bpc
+    from longformer_jax.tasks.charlm import evaluate_bpc
     from longformer_jax.training import Stage, TrainConfig, Trainer, make_mesh
     assert jax.device_count() == 4, jax.devices()
     cfg = TrainConfig(model=CharLMConfig(num_hidden_layers=2, hidden_size=32,
@@ -184,7 +184,7 @@ _MULTI_DEVICE = textwrap.dedent("""
     # parallelism, (4, 1), is left out for time: (2, 2) and (2, 1, 2) split the data too.
     for shape in [(1, 1), (2, 2), (1, 4), (1, 1, 4), (2, 1, 2), (1, 2, 2)]:
       devices = jax.devices()[:int(np.prod(shape))]
-      trainer = Trainer(cfg, make_mesh(shape, devices))
+      trainer = Trainer(cfg, make_mesh(shape, devices), task=CharLMTask())
       state = trainer.init_state()
       # Checkpoint checksums of the sharded state equal those of the same values on one device.
       sharded_sums = checkpoint.checksums(state.params)
@@ -241,15 +241,15 @@ def test_config_errors_name_the_bad_value():
     _config(microbatch_size=3)
   with pytest.raises(ValueError, match=r"stages\[0\].windows has 1 entries"):
     Trainer(_config(stages=(Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0,
-                                  windows=(3,)),)))
+                                  windows=(3,)),)), task=CharLMTask())
   with pytest.raises(ValueError, match="attention_window of layer 1 must be an int >= 1"):
     Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0, windows=(3, 0))
   with pytest.raises(ValueError, match="Stage.warmup_steps"):
     Stage(seq_len=16, batch_size=4, steps=1, learning_rate=1.0, warmup_steps=2)
   with pytest.raises(ValueError, match="does not use the 1 devices"):
-    Trainer(_config(mesh_shape=(2, 1)))
+    Trainer(_config(mesh_shape=(2, 1)), task=CharLMTask())
   with pytest.raises(ValueError, match=r"seq=4\) does not use the 1 devices"):
-    Trainer(_config(mesh_shape=(1, 1, 4)))
+    Trainer(_config(mesh_shape=(1, 1, 4)), task=CharLMTask())
   for bad in [(1,), (1, 1, 1, 1), (1.5, 1), "(1, 1)", (True, 1)]:
     with pytest.raises(ValueError, match=r"\(data, fsdp\) or \(data, fsdp, seq\) ints, got "
                        + re.escape(repr(bad))):
@@ -259,7 +259,8 @@ def test_config_errors_name_the_bad_value():
       _config(mesh_shape=bad)
   with pytest.raises(ValueError, match="trains a CharLMConfig model, got LongformerConfig"):
     Trainer(_config(model=LongformerConfig(num_hidden_layers=2, hidden_size=32,
-                                           num_attention_heads=2, intermediate_size=64)))
+                                           num_attention_heads=2, intermediate_size=64)),
+            task=CharLMTask())
 
 
 def test_logical_rules_cover_every_parameter_axis():
@@ -348,7 +349,7 @@ def test_another_task_reuses_the_loop_and_resumes_exactly(tmp_path):
       os.kill(os.getpid(), signal.SIGTERM)
 
   losses = {}
-  summary = train(cfg, tmp_path / "b", progress=False, task=_MaskedLMTask(),
+  summary = train(cfg, tmp_path / "b", _MaskedLMTask(), progress=False,
                   step_hook=lambda s, m: (losses.__setitem__(s, m["loss"]), preempt(s, m)))
   assert summary["status"] == "preempted" and summary["step"] == 3
   _, losses_b = _run(cfg, tmp_path / "b", None, task=_MaskedLMTask())

@@ -157,7 +157,7 @@ ENCODER_WINDOWS = (2, 4, 3)
 
 def tiny_encoder_config(**changes):
   """A `LongformerConfig` of ENCODER_SHAPE with windows ENCODER_WINDOWS, plus `changes`."""
-  from longformer_jax.config import LongformerConfig  # pylint: disable=import-outside-toplevel
+  from longformer_jax.config import LongformerConfig
   return LongformerConfig(**{**ENCODER_SHAPE, "attention_window": ENCODER_WINDOWS, **changes})
 
 

@@ -45,7 +45,7 @@ def libtpu_version() -> str | None:
 @functools.cache
 def topology(name: str):
   """The device description of a named TPU slice, e.g. 'v5e:2x2' (compile-only, cached)."""
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies
   return topologies.get_topology_desc(topology_name=name, platform="tpu")
 
 
@@ -55,7 +55,7 @@ def make_mesh(name: str, shape: tuple[int, ...], axes: tuple[str, ...]) -> Mesh:
   The shape must use every device of the slice. v4 (megacore) slices are not supported by
   `topologies.make_mesh` in jax 0.12.
   """
-  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  from jax.experimental import topologies
   devices = topology(name).devices
   if math.prod(shape) != len(devices):
     raise ValueError(f"mesh shape {shape} does not use the {len(devices)} chips of {name}")

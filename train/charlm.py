@@ -12,8 +12,9 @@ already trained differ from the run's (`longformer_jax.training.identity`; `--al
 for an optimiser or schedule setting). Exit status: 0 the schedule finished; 75
 (`EXIT_PREEMPTED`) stopped by SIGTERM after saving its step; 1 the run failed (a one-line
 `error:` on stderr: settings that differ from the run's, a diverging loss, a failed save, no
-checkpoint that restores); 2 a bad command line or `--set`. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/ and results.json
-(the final test BPC).
+checkpoint that restores); 2 a bad command line or `--set`. Writes
+<workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/ and results.json (the final test
+BPC).
 
 Several processes (e.g. on one machine, or hosts that JAX cannot discover by itself) run the same
 command with `--distributed on --coordinator-address HOST:PORT --num-processes P --process-id I`
@@ -35,11 +36,9 @@ from train.cli import EXIT_PREEMPTED, add_distributed_args, initialize_distribut
 def split_of_file(path: str, split: str):
   """`split` ("train", "validation", "test") of a file's bytes: the first 90%, the next 5%, the
   rest, as the corpora are split."""
-  # pylint: disable=g-import-not-at-top
   import numpy as np
   from etils import epath
   from longformer_jax.data.corpora import split_bounds
-  # pylint: enable=g-import-not-at-top
   data = np.frombuffer(epath.Path(path).read_bytes(), np.uint8)
   start, stop = split_bounds(len(data))[split]
   return data[start:stop].copy()
@@ -65,10 +64,10 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
 
   # Import JAX only now: --help works anywhere, and a pod slice initialises before any device use.
-  import jax  # pylint: disable=g-import-not-at-top
-  from etils import epath  # pylint: disable=g-import-not-at-top
-  from longformer_jax import training  # pylint: disable=g-import-not-at-top
-  from longformer_jax.checkpoint import CheckpointError  # pylint: disable=g-import-not-at-top
+  import jax
+  from etils import epath
+  from longformer_jax import training
+  from longformer_jax.checkpoint import CheckpointError
   initialize_distributed(args)
 
   cfg = load_config(args.config)
@@ -94,19 +93,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_and_evaluate(args: argparse.Namespace, cfg, workdir, mesh) -> int:
-  # pylint: disable=g-import-not-at-top
   import jax
   from longformer_jax import training
   from longformer_jax.io import atomic_write
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import CharLMTask
   is_main = jax.process_index() == 0
-  data = {}
+  task = CharLMTask()
   if args.data_file is not None:
-    data = {"train_data": split_of_file(args.data_file, "train"),
-            "valid_data": split_of_file(args.data_file, "validation")}
+    task = CharLMTask(split_of_file(args.data_file, "train"),
+                      split_of_file(args.data_file, "validation"))
   start = time.perf_counter()
-  summary = training.train(cfg, workdir, mesh=mesh, progress=not args.no_progress,
-                           allow_changes=args.allow_change, **data)
+  summary = training.train(cfg, workdir, task, mesh=mesh, progress=not args.no_progress,
+                           allow_changes=args.allow_change)
   train_minutes = (time.perf_counter() - start) / 60
   if summary["status"] != "done":
     # Preempted: the checkpoint is saved; rerun the same command to resume. Not 0, so that a
@@ -117,10 +115,8 @@ def _train_and_evaluate(args: argparse.Namespace, cfg, workdir, mesh) -> int:
              "final_train_loss": summary["last_loss"], "valid_bpc": summary.get("valid_bpc"),
              "train_minutes_this_run": round(train_minutes, 2)}
   if cfg.final_eval is not None and not args.skip_final_eval:
-    # pylint: disable=g-import-not-at-top
     from longformer_jax.data import load_split
-    from longformer_jax.evaluation import describe, evaluate_run
-    # pylint: enable=g-import-not-at-top
+    from longformer_jax.tasks.charlm import describe, evaluate_run
     eval_args = dict(cfg.final_eval)
     split = eval_args.pop("split", "test")
     if args.data_file is not None:

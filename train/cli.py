@@ -39,7 +39,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 def initialize_distributed(args: argparse.Namespace) -> None:
   """`training.maybe_initialize_distributed` with the flags of `add_distributed_args`."""
-  from longformer_jax import training  # pylint: disable=g-import-not-at-top
+  from longformer_jax import training
   training.maybe_initialize_distributed(
       args.distributed, coordinator_address=args.coordinator_address,
       num_processes=args.num_processes, process_id=args.process_id)

@@ -116,17 +116,14 @@ class Run:
 
 def split_overrides(assignments: list[str]) -> tuple[list[str], list[str]]:
   """(FinetuneOptions assignments, TrainConfig assignments) of the --set values."""
-  # pylint: disable-next=g-import-not-at-top
-  from longformer_jax.training.finetune import FinetuneOptions
+  from longformer_jax.tasks.finetune import FinetuneOptions
   names = {f.name for f in dataclasses.fields(FinetuneOptions)}
   mine = [a for a in assignments if a.partition("=")[0].strip().split(".")[0] in names]
   return mine, [a for a in assignments if a not in mine]
 
 
 def _read_splits(args, cfg, tokenizer, options, label_names) -> dict[str, Any]:
-  # pylint: disable=g-import-not-at-top
   from longformer_jax.data import finetune_data as fd
-  # pylint: enable=g-import-not-at-top
   # --eval-only reads no training file.
   paths = {"train": None if args.eval_only else args.train, "validation": args.validation,
            "test": args.test}
@@ -141,15 +138,13 @@ def _read_splits(args, cfg, tokenizer, options, label_names) -> dict[str, Any]:
 def build(args: argparse.Namespace, workdir) -> Run:
   """The run the command line describes; ValueError, TypeError or FileNotFoundError naming what
   is wrong."""
-  # pylint: disable=g-import-not-at-top
   from longformer_jax import checkpoint
   from longformer_jax.data import finetune_data as fd
   from longformer_jax.data import text
   from longformer_jax.training import Stage, TrainConfig, apply_overrides
-  from longformer_jax.training import finetune
+  from longformer_jax.tasks import finetune
   from longformer_jax.training.config import config_from_record, read_run_record
-  from longformer_jax.training.seq2seq import check_tokenizer
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks.seq2seq import check_tokenizer
   option_sets, config_sets = split_overrides(args.set)
   tokenizer = None if args.tokenizer is None else text.load_tokenizer(args.tokenizer)
   if args.eval_only and checkpoint.checkpoint_steps(workdir / checkpoint.CHECKPOINTS):
@@ -215,12 +210,10 @@ def build(args: argparse.Namespace, workdir) -> Run:
 def main(argv: list[str] | None = None) -> int:
   parser, args = parse_args(argv)
   # Import JAX only now: --help works anywhere, and a pod slice initialises before any device use.
-  # pylint: disable=g-import-not-at-top
   import jax
   from etils import epath
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
-  # pylint: enable=g-import-not-at-top
   initialize_distributed(args)
   default = Path("runs") / f"finetune_{args.task}_{Path(args.train or 'eval').stem}"
   workdir = epath.Path(args.workdir or default)
@@ -253,20 +246,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _build_fn(args, cfg, mesh):
   """A function that builds the task's model for `mesh` (fresh parameters from the seed)."""
-  # pylint: disable=g-import-not-at-top
   from flax import nnx
-  from longformer_jax.training.finetune import MODEL_CLASSES
+  from longformer_jax.tasks.finetune import MODEL_CLASSES
   from longformer_jax.training.sharding import seq_axis
-  # pylint: enable=g-import-not-at-top
   return lambda: MODEL_CLASSES[args.task](cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
                                           seq_axis=seq_axis(mesh))
 
 
 def _restore(args, run: Run, workdir, mesh):
   """(model, step) of the workdir's newest checkpoint that verifies, in the run's shardings."""
-  # pylint: disable=g-import-not-at-top
   from longformer_jax import checkpoint, training
-  # pylint: enable=g-import-not-at-top
   model, step, _ = checkpoint.restore_model_and_meta(
       _build_fn(args, run.cfg, mesh), workdir,
       shardings=lambda params: training.param_shardings(params, mesh, run.cfg.logical_rules))
@@ -276,12 +265,10 @@ def _restore(args, run: Run, workdir, mesh):
 def _initial_model(args, run: Run, mesh):
   """The task's model with the source's weights (`finetune.initial_params`), laid out on the
   mesh as a trained run's parameters are."""
-  # pylint: disable=g-import-not-at-top
   import jax
   from flax import nnx
   from longformer_jax import training
-  from longformer_jax.training import finetune
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import finetune
   model = _build_fn(args, run.cfg, mesh)()
   state = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(state, finetune.initial_params(run.source, model))
@@ -291,11 +278,9 @@ def _initial_model(args, run: Run, mesh):
 
 
 def _train_and_evaluate(args, run: Run, workdir, mesh) -> int:
-  # pylint: disable=g-import-not-at-top
   from flax import nnx
   from longformer_jax import training
-  from longformer_jax.training import finetune
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import finetune
   cfg, task = run.cfg, run.task
 
   def init_params():
@@ -332,11 +317,9 @@ def _evaluate_only(args, run: Run, workdir, mesh) -> int:
 
 def _score_splits(args, run: Run, model, results: dict[str, Any], workdir, mesh) -> int:
   """Scores --validation and --test, then writes predictions_<split>.jsonl and results.json."""
-  # pylint: disable=g-import-not-at-top
   import jax
   from longformer_jax.io import atomic_write
-  from longformer_jax.training import finetune
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import finetune
   is_main = jax.process_index() == 0
   files = {}
   for name in SPLITS:

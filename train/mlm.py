@@ -6,7 +6,7 @@
     python -m train.mlm --preset mlm_tiny
 
 Presets (`--preset`, default mlm_paper; or `--config FILE` with `get_config()`): mlm_paper,
-mlm_paper_large, mlm_tiny (`longformer_jax.training.mlm`). `--init DIR` starts from a RoBERTa
+mlm_paper_large, mlm_tiny (`longformer_jax.tasks.mlm`). `--init DIR` starts from a RoBERTa
 directory (config.json + weights; made long by copying its positions up to the longest stage's
 sequence length, with the preset's window), an HF Longformer directory, or a project model
 checkpoint (`checkpoint.save_model`); the model's shape comes from there, its compute settings
@@ -66,12 +66,10 @@ def main(argv: list[str] | None = None) -> int:
   args = parser.parse_args(argv)
 
   # Import JAX only now: --help works anywhere, and a pod slice initialises before any device use.
-  # pylint: disable=g-import-not-at-top
   import jax
   from etils import epath
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
-  # pylint: enable=g-import-not-at-top
   initialize_distributed(args)
   name = Path(args.config).stem if args.config else (args.preset or "mlm_paper")
   workdir = epath.Path(args.workdir or Path("runs") / name)
@@ -95,11 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 def _setup(args: argparse.Namespace, workdir):
   """(cfg, task, starting model or None) from the command line; raises ValueError (and the
   like) naming a bad value."""
-  # pylint: disable=g-import-not-at-top
   from flax import nnx
   from longformer_jax import training
-  from longformer_jax.training import mlm, sources
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import mlm
+  from longformer_jax.training import sources
   preset = None if args.config else (args.preset or "mlm_paper")
   cfg = load_config(args.config) if args.config else mlm.preset(preset)
   if preset in mlm.NEEDS_INIT and args.init is None:
@@ -125,8 +122,8 @@ def _setup(args: argparse.Namespace, workdir):
   task = mlm.MLMTask(tokenizer, init_identity=init_identity)
   task.check(cfg)
   if not (workdir / mlm.TOKENIZER_FILE).exists():
-    import jax  # pylint: disable=g-import-not-at-top
-    from longformer_jax.io import atomic_write  # pylint: disable=g-import-not-at-top
+    import jax
+    from longformer_jax.io import atomic_write
     if jax.process_index() == 0:
       workdir.mkdir(parents=True, exist_ok=True)
       atomic_write(workdir / mlm.TOKENIZER_FILE, tokenizer.to_str(pretty=True))
@@ -135,10 +132,8 @@ def _setup(args: argparse.Namespace, workdir):
 
 def _tokenizer(args: argparse.Namespace, cfg, workdir):
   """--tokenizer, else the workdir's, else --init's directory's, else a BPE trained here."""
-  # pylint: disable=g-import-not-at-top
   from longformer_jax.data import text, tokenized
-  from longformer_jax.training import mlm
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import mlm
   if args.tokenizer is not None:
     return text.load_tokenizer(args.tokenizer)
   saved = workdir / mlm.TOKENIZER_FILE
@@ -157,13 +152,11 @@ def _tokenizer(args: argparse.Namespace, cfg, workdir):
 
 
 def _train_and_evaluate(args: argparse.Namespace, cfg, task, init_model, workdir) -> int:
-  # pylint: disable=g-import-not-at-top
   import jax
   from flax import nnx
   from longformer_jax import training
   from longformer_jax.io import atomic_write
-  from longformer_jax.training import mlm
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import mlm
   is_main = jax.process_index() == 0
   mesh = training.make_mesh(cfg.mesh_shape)
   start = time.perf_counter()

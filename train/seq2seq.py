@@ -93,11 +93,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argpars
 def build(args: argparse.Namespace):
   """(TrainConfig, Seq2SeqTask, ModelSource, tokenizer, {split: Seq2SeqSplit}) from the command
   line; ValueError, TypeError or FileNotFoundError naming what is wrong."""
-  # pylint: disable=g-import-not-at-top
   from longformer_jax.data import text
   from longformer_jax.training import Stage, TrainConfig, apply_overrides
-  from longformer_jax.training import seq2seq
-  # pylint: enable=g-import-not-at-top
+  from longformer_jax.tasks import seq2seq
   tokenizer = text.load_tokenizer(args.tokenizer)
   source = seq2seq.load_source(args.model, tokenizer, bart_positions=args.bart_positions,
                                bart_window=args.bart_window)
@@ -129,7 +127,7 @@ def build(args: argparse.Namespace):
 
 
 def _check_generation(cfg) -> None:
-  from longformer_jax.training.seq2seq import GENERATE_ARGS  # pylint: disable=g-import-not-at-top
+  from longformer_jax.tasks.seq2seq import GENERATE_ARGS
   settings = dict(cfg.final_eval or {})
   unknown = sorted(set(settings) - set(GENERATE_ARGS) - {"batch_size"})
   if unknown:
@@ -144,12 +142,10 @@ def _check_generation(cfg) -> None:
 def main(argv: list[str] | None = None) -> int:
   parser, args = parse_args(argv)
   # Import JAX only now: --help works anywhere, and a pod slice initialises before any device use.
-  # pylint: disable=g-import-not-at-top
   import jax
   from etils import epath
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
-  # pylint: enable=g-import-not-at-top
   initialize_distributed(args)
   try:
     cfg, task, source, tokenizer, splits = build(args)
@@ -174,14 +170,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_and_evaluate(args, cfg, task, source, tokenizer, splits, workdir, mesh) -> int:
-  # pylint: disable=g-import-not-at-top
   import jax
   from flax import nnx
   from longformer_jax import checkpoint, training
   from longformer_jax.io import atomic_write
-  from longformer_jax.training import seq2seq
+  from longformer_jax.tasks import seq2seq
   from longformer_jax.training.sharding import seq_axis
-  # pylint: enable=g-import-not-at-top
   is_main = jax.process_index() == 0
   start = time.perf_counter()
   summary = training.train(cfg, workdir, mesh=mesh, task=task, progress=not args.no_progress,

@@ -35,42 +35,42 @@ def load_split(
     *,
     manual_dir: os.PathLike | str | None = None,
 ) -> np.ndarray:
-    """One split of a corpus as a uint8 array of its bytes, in order.
+  """One split of a corpus as a uint8 array of its bytes, in order.
 
-    The first call prepares the dataset under `data_dir` (TFDS's default: `$TFDS_DATA_DIR` or
-    `~/tensorflow_datasets`); later calls read the prepared array_record files. The samples need
-    no network: they are built from data inside the package. enwik8 and text8 use
-    `manual_dir/enwik8.zip` (`text8.zip`) when present (default manual_dir:
-    `<data_dir>/downloads/manual`), else download and verify the official zip.
+  The first call prepares the dataset under `data_dir` (TFDS's default: `$TFDS_DATA_DIR` or
+  `~/tensorflow_datasets`); later calls read the prepared array_record files. The samples need
+  no network: they are built from data inside the package. enwik8 and text8 use
+  `manual_dir/enwik8.zip` (`text8.zip`) when present (default manual_dir:
+  `<data_dir>/downloads/manual`), else download and verify the official zip.
 
-    Args:
-      name: "enwik8", "text8", "enwik8_sample" or "text8_sample".
-      split: "train", "validation" (or "valid") or "test": the first 90% of the bytes, the next
-        5%, the rest (90M/5M/5M for enwik8 and text8).
-      data_dir: where prepared datasets live.
-      manual_dir: where to look for the official zips before downloading.
+  Args:
+    name: "enwik8", "text8", "enwik8_sample" or "text8_sample".
+    split: "train", "validation" (or "valid") or "test": the first 90% of the bytes, the next
+      5%, the rest (90M/5M/5M for enwik8 and text8).
+    data_dir: where prepared datasets live.
+    manual_dir: where to look for the official zips before downloading.
 
-    Returns:
-      A fresh, writable uint8 array. enwik8 data holds every byte of the XML (newlines
-      included); text8 data holds only b" abcdefghijklmnopqrstuvwxyz".
-    """
-    if name not in DATASETS:
-        raise ValueError(f"unknown dataset name={name!r}; expected one of {DATASETS}")
-    canonical = _SPLIT_ALIASES.get(split, split)
-    if canonical not in SPLITS:
-        raise ValueError(f"unknown split={split!r}; expected one of {SPLITS} (or 'valid')")
-    try:
-        from longformer_jax.data import builders  # tensorflow-datasets only from here on
-    except ImportError as e:
-        if name not in corpora.SAMPLES:
-            raise ImportError(
-                f"load_split({name!r}) needs tensorflow-datasets and array_record "
-                "(pip install tensorflow-datasets array_record)"
-            ) from e
-        # Machines without TFDS (the GPU image) still get the samples: the same bytes the
-        # builders store, computed from the package data (tests check both paths agree).
-        stream = corpora.sample_stream(name)
-        start, stop = corpora.split_bounds(len(stream))[canonical]
-        return np.frombuffer(stream[start:stop], dtype=np.uint8).copy()
-    builder = builders.prepare(name, data_dir=data_dir, manual_dir=manual_dir)
-    return builders.read_split(builder, canonical)
+  Returns:
+    A fresh, writable uint8 array. enwik8 data holds every byte of the XML (newlines
+    included); text8 data holds only b" abcdefghijklmnopqrstuvwxyz".
+  """
+  if name not in DATASETS:
+    raise ValueError(f"unknown dataset name={name!r}; expected one of {DATASETS}")
+  canonical = _SPLIT_ALIASES.get(split, split)
+  if canonical not in SPLITS:
+    raise ValueError(f"unknown split={split!r}; expected one of {SPLITS} (or 'valid')")
+  try:
+    from longformer_jax.data import builders  # tensorflow-datasets only from here on
+  except ImportError as e:
+    if name not in corpora.SAMPLES:
+      raise ImportError(
+          f"load_split({name!r}) needs tensorflow-datasets and array_record "
+          "(pip install tensorflow-datasets array_record)"
+      ) from e
+    # Machines without TFDS (the GPU image) still get the samples: the same bytes the
+    # builders store, computed from the package data (tests check both paths agree).
+    stream = corpora.sample_stream(name)
+    start, stop = corpora.split_bounds(len(stream))[canonical]
+    return np.frombuffer(stream[start:stop], dtype=np.uint8).copy()
+  builder = builders.prepare(name, data_dir=data_dir, manual_dir=manual_dir)
+  return builders.read_split(builder, canonical)

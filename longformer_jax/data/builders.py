@@ -60,135 +60,135 @@ _CITATION = """\
 
 
 class _ByteStream(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-    """One byte stream, split 90/5/5 by bytes, stored as ordered chunks in array_record."""
+  """One byte stream, split 90/5/5 by bytes, stored as ordered chunks in array_record."""
 
-    VERSION = tfds.core.Version("1.0.0")
-    RELEASE_NOTES = {"1.0.0": "First release."}
-    _DESCRIPTION = ""
-    _HOMEPAGE = "http://mattmahoney.net/dc/textdata.html"
-    _LICENSE = _WIKIPEDIA_LICENSE
+  VERSION = tfds.core.Version("1.0.0")
+  RELEASE_NOTES = {"1.0.0": "First release."}
+  _DESCRIPTION = ""
+  _HOMEPAGE = "http://mattmahoney.net/dc/textdata.html"
+  _LICENSE = _WIKIPEDIA_LICENSE
 
-    def __init__(self, *, file_format: str = "array_record", **kwargs):
-        # array_record is the format TFDS reads without TensorFlow (`as_data_source`).
-        super().__init__(file_format=file_format, **kwargs)
+  def __init__(self, *, file_format: str = "array_record", **kwargs):
+    # array_record is the format TFDS reads without TensorFlow (`as_data_source`).
+    super().__init__(file_format=file_format, **kwargs)
 
-    def _info(self) -> tfds.core.DatasetInfo:
-        return tfds.core.DatasetInfo(
-            builder=self,
-            description=self._DESCRIPTION,
-            features=tfds.features.FeaturesDict(
-                {
-                    # Raw bytes on disk, not one int64 per byte.
-                    "bytes": tfds.features.Tensor(
-                        shape=(None,), dtype=np.uint8, encoding=tfds.features.Encoding.BYTES
-                    ),
-                    "offset": tfds.features.Scalar(dtype=np.int64),
-                }
-            ),
-            homepage=self._HOMEPAGE,
-            citation=_CITATION,
-            license=self._LICENSE,
-            disable_shuffling=True,  # records are written in key (= offset) order
-        )
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self,
+        description=self._DESCRIPTION,
+        features=tfds.features.FeaturesDict(
+            {
+          # Raw bytes on disk, not one int64 per byte.
+                "bytes": tfds.features.Tensor(
+                    shape=(None,), dtype=np.uint8, encoding=tfds.features.Encoding.BYTES
+                ),
+                "offset": tfds.features.Scalar(dtype=np.int64),
+            }
+        ),
+        homepage=self._HOMEPAGE,
+        citation=_CITATION,
+        license=self._LICENSE,
+        disable_shuffling=True,  # records are written in key (= offset) order
+    )
 
-    @abc.abstractmethod
-    def _stream(self, dl_manager) -> bytes:
-        """The whole corpus, in order (each concrete builder says where it comes from)."""
+  @abc.abstractmethod
+  def _stream(self, dl_manager) -> bytes:
+    """The whole corpus, in order (each concrete builder says where it comes from)."""
 
-    def _split_generators(self, dl_manager):
-        data = np.frombuffer(self._stream(dl_manager), dtype=np.uint8)
-        return {
-            split: self._generate_examples(data[start:stop])
-            for split, (start, stop) in corpora.split_bounds(len(data)).items()
-        }
+  def _split_generators(self, dl_manager):
+    data = np.frombuffer(self._stream(dl_manager), dtype=np.uint8)
+    return {
+        split: self._generate_examples(data[start:stop])
+        for split, (start, stop) in corpora.split_bounds(len(data)).items()
+    }
 
-    def _generate_examples(self, data: np.ndarray):
-        for offset in range(0, len(data), CHUNK_BYTES):
-            yield offset, {"bytes": data[offset : offset + CHUNK_BYTES], "offset": offset}
+  def _generate_examples(self, data: np.ndarray):
+    for offset in range(0, len(data), CHUNK_BYTES):
+      yield offset, {"bytes": data[offset : offset + CHUNK_BYTES], "offset": offset}
 
 
 def _manual_instructions(source: corpora.Source) -> str:
-    return (
-        f"Optional: put {source.filename} ({source.size:,} bytes, from {source.url}) in the "
-        "manual directory to use it instead of downloading it."
-    )
+  return (
+      f"Optional: put {source.filename} ({source.size:,} bytes, from {source.url}) in the "
+      "manual directory to use it instead of downloading it."
+  )
 
 
 class _Official(_ByteStream, skip_registration=True):
-    """A corpus from an official zip: the manual directory first, else a download; verified."""
+  """A corpus from an official zip: the manual directory first, else a download; verified."""
 
-    SOURCE: corpora.Source
+  SOURCE: corpora.Source
 
-    def _stream(self, dl_manager) -> bytes:
-        archive = corpora.fetch(
-            self.SOURCE,
-            manual_dir=_manual_dir(dl_manager),
-            download_dir=Path(dl_manager.download_dir),
-        )
-        return corpora.read_archive(archive, self.SOURCE)
+  def _stream(self, dl_manager) -> bytes:
+    archive = corpora.fetch(
+        self.SOURCE,
+        manual_dir=_manual_dir(dl_manager),
+        download_dir=Path(dl_manager.download_dir),
+    )
+    return corpora.read_archive(archive, self.SOURCE)
 
 
 def _manual_dir(dl_manager) -> Path:
-    """The manual directory TFDS was given, or its default, whether or not it exists yet."""
-    try:
-        return Path(dl_manager.manual_dir)
-    except AssertionError:
-        # TFDS's way of saying the (optional) manual dir is missing or empty; it does not say
-        # which directory it looked in, and the error must name it. TFDS's default when
-        # `DownloadConfig.manual_dir` is None is `<download_dir>/manual`, i.e.
-        # `<data_dir>/downloads/manual`.
-        configured = getattr(dl_manager, "_manual_dir", None)
-        return Path(configured) if configured else Path(dl_manager.download_dir) / "manual"
+  """The manual directory TFDS was given, or its default, whether or not it exists yet."""
+  try:
+    return Path(dl_manager.manual_dir)
+  except AssertionError:
+    # TFDS's way of saying the (optional) manual dir is missing or empty; it does not say
+    # which directory it looked in, and the error must name it. TFDS's default when
+    # `DownloadConfig.manual_dir` is None is `<download_dir>/manual`, i.e.
+    # `<data_dir>/downloads/manual`.
+    configured = getattr(dl_manager, "_manual_dir", None)
+    return Path(configured) if configured else Path(dl_manager.download_dir) / "manual"
 
 
 class Enwik8(_Official):
-    """enwik8: the first 10^8 bytes of the English Wikipedia XML dump of 2006-03-03."""
+  """enwik8: the first 10^8 bytes of the English Wikipedia XML dump of 2006-03-03."""
 
-    SOURCE = corpora.ENWIK8_SOURCE
-    MANUAL_DOWNLOAD_INSTRUCTIONS = _manual_instructions(SOURCE)
-    _DESCRIPTION = (
-        "The first 10^8 bytes of the English Wikipedia XML dump of 2006-03-03 (Hutter Prize), "
-        "every byte kept, newlines included. Split by bytes 90M/5M/5M."
-    )
-    _HOMEPAGE = "http://prize.hutter1.net/"
+  SOURCE = corpora.ENWIK8_SOURCE
+  MANUAL_DOWNLOAD_INSTRUCTIONS = _manual_instructions(SOURCE)
+  _DESCRIPTION = (
+      "The first 10^8 bytes of the English Wikipedia XML dump of 2006-03-03 (Hutter Prize), "
+      "every byte kept, newlines included. Split by bytes 90M/5M/5M."
+  )
+  _HOMEPAGE = "http://prize.hutter1.net/"
 
 
 class Text8(_Official):
-    """text8: Mahoney's wikifil filter of Wikipedia, cut to 10^8 characters (a-z and space)."""
+  """text8: Mahoney's wikifil filter of Wikipedia, cut to 10^8 characters (a-z and space)."""
 
-    SOURCE = corpora.TEXT8_SOURCE
-    MANUAL_DOWNLOAD_INSTRUCTIONS = _manual_instructions(SOURCE)
-    _DESCRIPTION = (
-        "English Wikipedia through Mahoney's wikifil.pl, first 10^8 characters: 27 symbols "
-        "(a-z and space). Split by characters 90M/5M/5M."
-    )
+  SOURCE = corpora.TEXT8_SOURCE
+  MANUAL_DOWNLOAD_INSTRUCTIONS = _manual_instructions(SOURCE)
+  _DESCRIPTION = (
+      "English Wikipedia through Mahoney's wikifil.pl, first 10^8 characters: 27 symbols "
+      "(a-z and space). Split by characters 90M/5M/5M."
+  )
 
 
 class _Sample(_ByteStream, skip_registration=True):
-    """A corpus built from the Wikipedia XML inside the package: offline, about a second."""
+  """A corpus built from the Wikipedia XML inside the package: offline, about a second."""
 
-    _LICENSE = _SAMPLE_LICENSE
+  _LICENSE = _SAMPLE_LICENSE
 
-    def _stream(self, dl_manager) -> bytes:
-        return corpora.sample_stream(self.name)
+  def _stream(self, dl_manager) -> bytes:
+    return corpora.sample_stream(self.name)
 
 
 class Enwik8Sample(_Sample):
-    """The bundled 6.09 MB of Wikipedia XML, enwik8-style: every byte kept."""
+  """The bundled 6.09 MB of Wikipedia XML, enwik8-style: every byte kept."""
 
-    _DESCRIPTION = (
-        "206 pages of a 2016 English Wikipedia XML dump shipped with longformer-jax, every byte "
-        "kept; split 90/5/5 by bytes like enwik8."
-    )
+  _DESCRIPTION = (
+      "206 pages of a 2016 English Wikipedia XML dump shipped with longformer-jax, every byte "
+      "kept; split 90/5/5 by bytes like enwik8."
+  )
 
 
 class Text8Sample(_Sample):
-    """The bundled Wikipedia XML through `wikifil`, text8-style: a-z and space."""
+  """The bundled Wikipedia XML through `wikifil`, text8-style: a-z and space."""
 
-    _DESCRIPTION = (
-        "The enwik8_sample XML through Mahoney's wikifil filter (3,085,829 characters, a-z and "
-        "space); split 90/5/5 like text8."
-    )
+  _DESCRIPTION = (
+      "The enwik8_sample XML through Mahoney's wikifil filter (3,085,829 characters, a-z and "
+      "space); split 90/5/5 like text8."
+  )
 
 
 BUILDERS: dict[str, type[_ByteStream]] = {
@@ -205,44 +205,44 @@ def prepare(
     data_dir: os.PathLike | str | None = None,
     manual_dir: os.PathLike | str | None = None,
 ) -> tfds.core.DatasetBuilder:
-    """The builder of a dataset, prepared under `data_dir` (TFDS's default when None).
+  """The builder of a dataset, prepared under `data_dir` (TFDS's default when None).
 
-    Preparation runs once (TFDS writes into a temporary directory and renames it when done);
-    later calls find the files and return at once. Several processes may call this together.
-    """
-    if isinstance(name_or_class, str):
-        if name_or_class not in BUILDERS:
-            raise ValueError(
-                f"unknown dataset name={name_or_class!r}; expected one of {tuple(BUILDERS)}"
-            )
-        name_or_class = BUILDERS[name_or_class]
-    builder = name_or_class(data_dir=data_dir)
-    try:
-        builder.download_and_prepare(
-            # No GCS lookup: these datasets are not hosted there, and machines may be offline.
-            download_config=tfds.download.DownloadConfig(
-                manual_dir=manual_dir, try_download_gcs=False
-            )
+  Preparation runs once (TFDS writes into a temporary directory and renames it when done);
+  later calls find the files and return at once. Several processes may call this together.
+  """
+  if isinstance(name_or_class, str):
+    if name_or_class not in BUILDERS:
+      raise ValueError(
+          f"unknown dataset name={name_or_class!r}; expected one of {tuple(BUILDERS)}"
+      )
+    name_or_class = BUILDERS[name_or_class]
+  builder = name_or_class(data_dir=data_dir)
+  try:
+    builder.download_and_prepare(
+      # No GCS lookup: these datasets are not hosted there, and machines may be offline.
+        download_config=tfds.download.DownloadConfig(
+            manual_dir=manual_dir, try_download_gcs=False
         )
-    except OSError:
-        # Processes preparing the same dataset at once (one per host process) each write a
-        # private directory; renaming it into place fails for all but the first, which is fine.
-        builder = name_or_class(data_dir=data_dir)
-        if not builder.is_prepared():
-            raise
-    return builder
+    )
+  except OSError:
+    # Processes preparing the same dataset at once (one per host process) each write a
+    # private directory; renaming it into place fails for all but the first, which is fine.
+    builder = name_or_class(data_dir=data_dir)
+    if not builder.is_prepared():
+      raise
+  return builder
 
 
 def read_split(builder: tfds.core.DatasetBuilder, split: str) -> np.ndarray:
-    """A prepared split as one new uint8 array, its chunks checked to be contiguous."""
-    source = builder.as_data_source(split=split)
-    records = [source[i] for i in range(len(source))]
-    expected = 0
-    for record in records:
-        if int(record["offset"]) != expected:
-            raise ValueError(
-                f"{builder.name}/{split} under {builder.data_dir}: a chunk starts at offset "
-                f"{int(record['offset']):,}, expected {expected:,}; delete it to rebuild"
-            )
-        expected += len(record["bytes"])
-    return np.concatenate([r["bytes"] for r in records] or [np.zeros(0, np.uint8)])
+  """A prepared split as one new uint8 array, its chunks checked to be contiguous."""
+  source = builder.as_data_source(split=split)
+  records = [source[i] for i in range(len(source))]
+  expected = 0
+  for record in records:
+    if int(record["offset"]) != expected:
+      raise ValueError(
+          f"{builder.name}/{split} under {builder.data_dir}: a chunk starts at offset "
+          f"{int(record['offset']):,}, expected {expected:,}; delete it to rebuild"
+      )
+    expected += len(record["bytes"])
+  return np.concatenate([r["bytes"] for r in records] or [np.zeros(0, np.uint8)])

@@ -244,7 +244,7 @@ class _Reader:
     self.max_length, self.max_question_length = max_length, max_question_length
     self.tokenizer = None
     if tokenizer is not None:
-      import tokenizers  # pylint: disable=import-outside-toplevel
+      import tokenizers
       # A copy whose own truncation and padding settings cannot interfere.
       self.tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
       self.tokenizer.no_truncation()
@@ -265,7 +265,7 @@ class _Reader:
       if first is None:
         first = (by_text, r.line)
       elif by_text != first[0]:
-        kind = lambda t: "a text record" if t else "an input_ids record"  # noqa: E731
+        kind = lambda t: "a text record" if t else "an input_ids record"
         raise self.error(r, present[0], f"is {kind(by_text)} but line {first[1]} is "
                          f"{kind(first[0])} (one kind per file)")
     if first[0] and self.tokenizer is None:

@@ -46,23 +46,23 @@ __all__ = [
 
 
 class JsonlError(ValueError):
-    """A JSONL file breaks the rules: `path`, `line` (1-based, None for the whole file) and
-    `field` (None when the line as a whole is wrong) say where."""
+  """A JSONL file breaks the rules: `path`, `line` (1-based, None for the whole file) and
+  `field` (None when the line as a whole is wrong) say where."""
 
-    def __init__(self, path: str, line: int | None, field: str | None, problem: str):
-        self.path, self.line, self.field, self.problem = path, line, field, problem
-        where = path if line is None else f"{path}:{line}"
-        what = "" if field is None else f" field {field!r}"
-        super().__init__(f"{where}:{what} {problem}")
+  def __init__(self, path: str, line: int | None, field: str | None, problem: str):
+    self.path, self.line, self.field, self.problem = path, line, field, problem
+    where = path if line is None else f"{path}:{line}"
+    what = "" if field is None else f" field {field!r}"
+    super().__init__(f"{where}:{what} {problem}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Record:
-    """One JSONL record: the 1-based line it was read from and its fields (those of the schema,
-    plus any optional ones present)."""
+  """One JSONL record: the 1-based line it was read from and its fields (those of the schema,
+  plus any optional ones present)."""
 
-    line: int
-    fields: dict[str, Any]
+  line: int
+  fields: dict[str, Any]
 
 
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false",
@@ -70,93 +70,93 @@ _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "tru
 
 
 def _type_name(types: tuple[type, ...]) -> str:
-    return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+  return " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
 
 
 def _check_field(path: str, line: int, name: str, value: Any, types: tuple[type, ...]) -> None:
-    # JSON's true/false come back as bools, which are ints in Python: never accept one as a number.
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-    if float in types and isinstance(value, int) and not isinstance(value, bool):
-        ok = True  # JSON does not tell 1 from 1.0
-    if not ok:
-        raise JsonlError(path, line, name,
-                         f"must be {_type_name(types)}, got {json.dumps(value)[:80]}")
-    if isinstance(value, str) and not value.strip():
-        raise JsonlError(path, line, name, "is empty")
+  # JSON's true/false come back as bools, which are ints in Python: never accept one as a number.
+  ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+  if float in types and isinstance(value, int) and not isinstance(value, bool):
+    ok = True  # JSON does not tell 1 from 1.0
+  if not ok:
+    raise JsonlError(path, line, name,
+                     f"must be {_type_name(types)}, got {json.dumps(value)[:80]}")
+  if isinstance(value, str) and not value.strip():
+    raise JsonlError(path, line, name, "is empty")
 
 
 def read_jsonl(path: str | os.PathLike, schema: Mapping[str, type | tuple[type, ...]], *,
                optional: Mapping[str, type | tuple[type, ...]] | None = None,
                unique: Sequence[str] = ()) -> list[Record]:
-    """The records of a JSONL file, checked against the rules of the module docstring.
+  """The records of a JSONL file, checked against the rules of the module docstring.
 
-    Args:
-      path: a local file.
-      schema: the fields every record must have, with their type(s), e.g.
-        {"source": str, "target": str}.
-      optional: fields a record may have, with their type(s), e.g. {"id": (str, int)}.
-      unique: fields (of either kind) whose values must differ between records.
+  Args:
+    path: a local file.
+    schema: the fields every record must have, with their type(s), e.g.
+      {"source": str, "target": str}.
+    optional: fields a record may have, with their type(s), e.g. {"id": (str, int)}.
+    unique: fields (of either kind) whose values must differ between records.
 
-    Raises:
-      FileNotFoundError: no such file.
-      JsonlError: the file breaks a rule (file, line and field named).
-    """
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file")
-    expected = {k: v if isinstance(v, tuple) else (v,) for k, v in schema.items()}
-    maybe = {k: v if isinstance(v, tuple) else (v,) for k, v in (optional or {}).items()}
-    seen: dict[str, dict[Any, int]] = {name: {} for name in unique}
-    records = []
-    with open(path, "rb") as f:
-        for line_number, raw in enumerate(f, start=1):
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise JsonlError(path, line_number, None,
-                                 f"is not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})"
-                                 ) from None
-            if not text.strip():
-                continue
-            try:
-                obj = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise JsonlError(path, line_number, None,
-                                 f"is not JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise JsonlError(path, line_number, None,
-                                 f"must be a JSON object, got {type(obj).__name__}")
-            fields = {}
-            for name, types in expected.items():
-                if name not in obj:
-                    raise JsonlError(path, line_number, name,
-                                     f"is missing (the record has {sorted(obj)})")
-                _check_field(path, line_number, name, obj[name], types)
-                fields[name] = obj[name]
-            for name, types in maybe.items():
-                if name in obj:
-                    _check_field(path, line_number, name, obj[name], types)
-                    fields[name] = obj[name]
-            for name, values in seen.items():
-                if name in fields:
-                    first = values.setdefault(fields[name], line_number)
-                    if first != line_number:
-                        raise JsonlError(path, line_number, name,
-                                         f"repeats {json.dumps(fields[name])[:80]} of line "
-                                         f"{first}")
-            records.append(Record(line_number, fields))
-    if not records:
-        raise JsonlError(path, None, None, "holds no records")
-    return records
+  Raises:
+    FileNotFoundError: no such file.
+    JsonlError: the file breaks a rule (file, line and field named).
+  """
+  path = os.fspath(path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{path}: no such file")
+  expected = {k: v if isinstance(v, tuple) else (v,) for k, v in schema.items()}
+  maybe = {k: v if isinstance(v, tuple) else (v,) for k, v in (optional or {}).items()}
+  seen: dict[str, dict[Any, int]] = {name: {} for name in unique}
+  records = []
+  with open(path, "rb") as f:
+    for line_number, raw in enumerate(f, start=1):
+      try:
+        text = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise JsonlError(path, line_number, None,
+                         f"is not UTF-8 (byte {e.start}: {raw[e.start:e.start + 1]!r})"
+                         ) from None
+      if not text.strip():
+        continue
+      try:
+        obj = json.loads(text)
+      except json.JSONDecodeError as e:
+        raise JsonlError(path, line_number, None,
+                         f"is not JSON ({e.msg} at column {e.colno})") from None
+      if not isinstance(obj, dict):
+        raise JsonlError(path, line_number, None,
+                         f"must be a JSON object, got {type(obj).__name__}")
+      fields = {}
+      for name, types in expected.items():
+        if name not in obj:
+          raise JsonlError(path, line_number, name,
+                           f"is missing (the record has {sorted(obj)})")
+        _check_field(path, line_number, name, obj[name], types)
+        fields[name] = obj[name]
+      for name, types in maybe.items():
+        if name in obj:
+          _check_field(path, line_number, name, obj[name], types)
+          fields[name] = obj[name]
+      for name, values in seen.items():
+        if name in fields:
+          first = values.setdefault(fields[name], line_number)
+          if first != line_number:
+            raise JsonlError(path, line_number, name,
+                             f"repeats {json.dumps(fields[name])[:80]} of line "
+                             f"{first}")
+      records.append(Record(line_number, fields))
+  if not records:
+    raise JsonlError(path, None, None, "holds no records")
+  return records
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """The SHA-256 of a file's bytes, read in 1 MiB pieces."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+  """The SHA-256 of a file's bytes, read in 1 MiB pieces."""
+  digest = hashlib.sha256()
+  with open(path, "rb") as f:
+    for block in iter(lambda: f.read(1 << 20), b""):
+      digest.update(block)
+  return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -169,93 +169,93 @@ ROBERTA_SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
 
 
 def load_tokenizer(path: str | os.PathLike):
-    """A `tokenizers.Tokenizer` from local files (nothing is downloaded):
+  """A `tokenizers.Tokenizer` from local files (nothing is downloaded):
 
-      * a `tokenizer.json`, or a directory holding one (an HF model directory saved by a fast
-        tokenizer);
-      * a directory holding only RoBERTa's `vocab.json` + `merges.txt`: a byte-level BPE, built
-        as RoBERTa's tokenizer is (no prefix space, byte-level decoding, its special tokens
-        marked special, so that encoding text never splits them);
-      * a remote `tokenizer.json` (any etils path, e.g. a run's gs:// workdir).
+    * a `tokenizer.json`, or a directory holding one (an HF model directory saved by a fast
+      tokenizer);
+    * a directory holding only RoBERTa's `vocab.json` + `merges.txt`: a byte-level BPE, built
+      as RoBERTa's tokenizer is (no prefix space, byte-level decoding, its special tokens
+      marked special, so that encoding text never splits them);
+    * a remote `tokenizer.json` (any etils path, e.g. a run's gs:// workdir).
 
-    Raises FileNotFoundError or ValueError naming the path.
-    """
-    import tokenizers  # pylint: disable=import-outside-toplevel
+  Raises FileNotFoundError or ValueError naming the path.
+  """
+  import tokenizers
 
-    if "://" in str(path):
-        from etils import epath  # pylint: disable=import-outside-toplevel
-        return tokenizers.Tokenizer.from_str(epath.Path(path).read_text())
-    path = os.fspath(path)
-    vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
-    if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json"))
-            and os.path.isfile(vocab) and os.path.isfile(merges)):
-        from tokenizers import decoders, models, pre_tokenizers  # pylint: disable=import-outside-toplevel
-        tokenizer = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tokenizer.decoder = decoders.ByteLevel()
-        tokenizer.add_special_tokens([t for t in ROBERTA_SPECIAL_TOKENS
-                                      if tokenizer.token_to_id(t) is not None])
-        return tokenizer
-    file = tokenizer_file(path)
-    if not os.path.isfile(file):
-        hint = (" (and no vocab.json + merges.txt of a byte-level BPE)"
-                if os.path.isdir(path) else "")
-        raise FileNotFoundError(f"{file}: no such tokenizer file{hint}")
-    try:
-        return tokenizers.Tokenizer.from_file(file)
-    except Exception as e:  # the Rust side raises a bare Exception on a malformed file
-        raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
+  if "://" in str(path):
+    from etils import epath
+    return tokenizers.Tokenizer.from_str(epath.Path(path).read_text())
+  path = os.fspath(path)
+  vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
+  if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json"))
+          and os.path.isfile(vocab) and os.path.isfile(merges)):
+    from tokenizers import decoders, models, pre_tokenizers
+    tokenizer = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([t for t in ROBERTA_SPECIAL_TOKENS
+                                  if tokenizer.token_to_id(t) is not None])
+    return tokenizer
+  file = tokenizer_file(path)
+  if not os.path.isfile(file):
+    hint = (" (and no vocab.json + merges.txt of a byte-level BPE)"
+            if os.path.isdir(path) else "")
+    raise FileNotFoundError(f"{file}: no such tokenizer file{hint}")
+  try:
+    return tokenizers.Tokenizer.from_file(file)
+  except Exception as e:  # the Rust side raises a bare Exception on a malformed file
+    raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
 
 
 def tokenizer_file(path: str | os.PathLike) -> str:
-    """The tokenizer.json `path` names: itself, or the one inside it when it is a directory."""
-    path = os.fspath(path)
-    return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+  """The tokenizer.json `path` names: itself, or the one inside it when it is a directory."""
+  path = os.fspath(path)
+  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
 
 
 def token_id(tokenizer, token: str) -> int:
-    """The id of `token` in `tokenizer`'s vocabulary; ValueError naming it when it has none."""
-    index = tokenizer.token_to_id(token)
-    if index is None:
-        raise ValueError(f"the tokenizer has no token {token!r} "
-                         f"(vocabulary of {tokenizer.get_vocab_size():,})")
-    return index
+  """The id of `token` in `tokenizer`'s vocabulary; ValueError naming it when it has none."""
+  index = tokenizer.token_to_id(token)
+  if index is None:
+    raise ValueError(f"the tokenizer has no token {token!r} "
+                     f"(vocabulary of {tokenizer.get_vocab_size():,})")
+  return index
 
 
 def encode(tokenizer, texts: Sequence[str], *, max_length: int) -> list[np.ndarray]:
-    """Token ids (int32, one array per text) of `texts`, with the tokenizer's special tokens (its
-    post-processor, e.g. BART's `<s> ... </s>`) and truncated to `max_length` ids the way HF does
-    it: the text is cut, the special tokens are kept.
+  """Token ids (int32, one array per text) of `texts`, with the tokenizer's special tokens (its
+  post-processor, e.g. BART's `<s> ... </s>`) and truncated to `max_length` ids the way HF does
+  it: the text is cut, the special tokens are kept.
 
-    The tokenizer's own truncation and padding settings are ignored (a copy is encoded).
-    """
-    if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
-        raise ValueError(f"max_length must be a positive int, got {max_length!r}")
-    import tokenizers  # pylint: disable=import-outside-toplevel
+  The tokenizer's own truncation and padding settings are ignored (a copy is encoded).
+  """
+  if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
+    raise ValueError(f"max_length must be a positive int, got {max_length!r}")
+  import tokenizers
 
-    tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
-    tokenizer.no_padding()
-    try:
-        tokenizer.enable_truncation(max_length)
-        encodings = tokenizer.encode_batch(list(texts))
-    except Exception as e:  # e.g. max_length shorter than the special tokens the template adds
-        raise ValueError(f"cannot encode with max_length={max_length}: {e}") from None
-    return [np.asarray(e.ids, np.int32) for e in encodings]
+  tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+  tokenizer.no_padding()
+  try:
+    tokenizer.enable_truncation(max_length)
+    encodings = tokenizer.encode_batch(list(texts))
+  except Exception as e:  # e.g. max_length shorter than the special tokens the template adds
+    raise ValueError(f"cannot encode with max_length={max_length}: {e}") from None
+  return [np.asarray(e.ids, np.int32) for e in encodings]
 
 
 def pad(sequences: Sequence[np.ndarray], *, length: int, pad_id: int
         ) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask), int32 [len(sequences), length]: each sequence at the start of its row, then
-    `pad_id`; mask 1 on the sequence, 0 on the padding. A sequence longer than `length` is a
-    ValueError (truncate when encoding)."""
-    ids_BxL = np.full((len(sequences), length), pad_id, np.int32)
-    mask_BxL = np.zeros((len(sequences), length), np.int32)
-    for row, seq in enumerate(sequences):
-        if len(seq) > length:
-            raise ValueError(f"sequence {row} has {len(seq)} ids, more than length={length}")
-        ids_BxL[row, :len(seq)] = seq
-        mask_BxL[row, :len(seq)] = 1
-    return ids_BxL, mask_BxL
+  """(ids, mask), int32 [len(sequences), length]: each sequence at the start of its row, then
+  `pad_id`; mask 1 on the sequence, 0 on the padding. A sequence longer than `length` is a
+  ValueError (truncate when encoding)."""
+  ids_BxL = np.full((len(sequences), length), pad_id, np.int32)
+  mask_BxL = np.zeros((len(sequences), length), np.int32)
+  for row, seq in enumerate(sequences):
+    if len(seq) > length:
+      raise ValueError(f"sequence {row} has {len(seq)} ids, more than length={length}")
+    ids_BxL[row, :len(seq)] = seq
+    mask_BxL[row, :len(seq)] = 1
+  return ids_BxL, mask_BxL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,77 +263,77 @@ def pad(sequences: Sequence[np.ndarray], *, length: int, pad_id: int
 
 
 class ExampleSampler(Iterator[np.ndarray]):
-    """A deterministic, resumable order over `num_examples` examples, in global batches split
-    between processes: `next()` gives this process's example indices of the next batch.
+  """A deterministic, resumable order over `num_examples` examples, in global batches split
+  between processes: `next()` gives this process's example indices of the next batch.
 
-    The order is a pure function of (seed, position): epoch e serves every example once, in an
-    order drawn from NumPy's Philox generator keyed by (seed, e) and read as raw bits (stable
-    across NumPy versions and machines), and the batches run on from one epoch into the next
-    (a batch may span two), so no example is skipped and fewer examples than a batch work.
-    Process p of P gets rows [p * b, (p + 1) * b) of each global batch, b = global_batch_size /
-    P: the layout `jax.make_array_from_process_local_data` expects. `state()` is a dict of ints
-    (the next step, and what fixes the order, checked by `load_state`).
-    """
+  The order is a pure function of (seed, position): epoch e serves every example once, in an
+  order drawn from NumPy's Philox generator keyed by (seed, e) and read as raw bits (stable
+  across NumPy versions and machines), and the batches run on from one epoch into the next
+  (a batch may span two), so no example is skipped and fewer examples than a batch work.
+  Process p of P gets rows [p * b, (p + 1) * b) of each global batch, b = global_batch_size /
+  P: the layout `jax.make_array_from_process_local_data` expects. `state()` is a dict of ints
+  (the next step, and what fixes the order, checked by `load_state`).
+  """
 
-    _STATE_KEYS = ("step", "seed", "num_examples", "global_batch_size")
+  _STATE_KEYS = ("step", "seed", "num_examples", "global_batch_size")
 
-    def __init__(self, num_examples: int, *, global_batch_size: int, seed: int = 0,
-                 process_index: int = 0, process_count: int = 1):
-        for name, value in (("num_examples", num_examples),
-                            ("global_batch_size", global_batch_size)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not 0 <= seed < 2**64:
-            raise ValueError(f"seed={seed} must be in [0, 2**64)")
-        if not 0 <= process_index < process_count or global_batch_size % process_count:
-            raise ValueError(f"process_index={process_index} must be in [0, process_count="
-                             f"{process_count}), which must divide global_batch_size="
-                             f"{global_batch_size}")
-        self.num_examples, self.global_batch_size, self.seed = (int(num_examples),
-                                                                int(global_batch_size), seed)
-        self.local_batch_size = global_batch_size // process_count
-        self.process_index = process_index
-        self.step = 0
-        self._cached: tuple[int, np.ndarray] | None = None
+  def __init__(self, num_examples: int, *, global_batch_size: int, seed: int = 0,
+               process_index: int = 0, process_count: int = 1):
+    for name, value in (("num_examples", num_examples),
+                        ("global_batch_size", global_batch_size)):
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not 0 <= seed < 2**64:
+      raise ValueError(f"seed={seed} must be in [0, 2**64)")
+    if not 0 <= process_index < process_count or global_batch_size % process_count:
+      raise ValueError(f"process_index={process_index} must be in [0, process_count="
+                       f"{process_count}), which must divide global_batch_size="
+                       f"{global_batch_size}")
+    self.num_examples, self.global_batch_size, self.seed = (int(num_examples),
+                                                            int(global_batch_size), seed)
+    self.local_batch_size = global_batch_size // process_count
+    self.process_index = process_index
+    self.step = 0
+    self._cached: tuple[int, np.ndarray] | None = None
 
-    def _order(self, epoch: int) -> np.ndarray:
-        if self._cached is None or self._cached[0] != epoch:
-            raw = np.random.Philox(key=(self.seed << 64) | epoch).random_raw(self.num_examples)
-            self._cached = (epoch, np.argsort(raw, kind="stable"))
-        return self._cached[1]
+  def _order(self, epoch: int) -> np.ndarray:
+    if self._cached is None or self._cached[0] != epoch:
+      raw = np.random.Philox(key=(self.seed << 64) | epoch).random_raw(self.num_examples)
+      self._cached = (epoch, np.argsort(raw, kind="stable"))
+    return self._cached[1]
 
-    def global_indices(self, step: int) -> np.ndarray:
-        """The example indices of global batch `step`, [global_batch_size]."""
-        if step < 0:
-            raise ValueError(f"step={step} must be >= 0")
-        positions = step * self.global_batch_size + np.arange(self.global_batch_size)
-        epochs, within = np.divmod(positions, self.num_examples)
-        return np.array([self._order(int(e))[i] for e, i in zip(epochs, within)], np.int64)
+  def global_indices(self, step: int) -> np.ndarray:
+    """The example indices of global batch `step`, [global_batch_size]."""
+    if step < 0:
+      raise ValueError(f"step={step} must be >= 0")
+    positions = step * self.global_batch_size + np.arange(self.global_batch_size)
+    epochs, within = np.divmod(positions, self.num_examples)
+    return np.array([self._order(int(e))[i] for e, i in zip(epochs, within)], np.int64)
 
-    def __next__(self) -> np.ndarray:
-        first = self.process_index * self.local_batch_size
-        out = self.global_indices(self.step)[first:first + self.local_batch_size]
-        self.step += 1
-        return out
+  def __next__(self) -> np.ndarray:
+    first = self.process_index * self.local_batch_size
+    out = self.global_indices(self.step)[first:first + self.local_batch_size]
+    self.step += 1
+    return out
 
-    def __iter__(self) -> ExampleSampler:
-        return self
+  def __iter__(self) -> ExampleSampler:
+    return self
 
-    def state(self) -> dict[str, int]:
-        return {"step": self.step, "seed": self.seed, "num_examples": self.num_examples,
-                "global_batch_size": self.global_batch_size}
+  def state(self) -> dict[str, int]:
+    return {"step": self.step, "seed": self.seed, "num_examples": self.num_examples,
+            "global_batch_size": self.global_batch_size}
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        """Continues from `state()` of a sampler over as many examples, with the same seed and
-        batch size (the process layout may differ); ValueError naming any difference."""
-        missing = [k for k in self._STATE_KEYS if k not in state]
-        if missing:
-            raise ValueError(f"sampler state lacks {missing}: got keys {sorted(state)}")
-        saved, mine = {k: int(state[k]) for k in self._STATE_KEYS}, self.state()
-        wrong = [f"{k}={saved[k]} (this sampler: {mine[k]})" for k in self._STATE_KEYS
-                 if k != "step" and saved[k] != mine[k]]
-        if wrong:
-            raise ValueError(f"sampler state is for another order: {', '.join(wrong)}")
-        if saved["step"] < 0:
-            raise ValueError(f"sampler state has step={saved['step']} < 0")
-        self.step = saved["step"]
+  def load_state(self, state: Mapping[str, Any]) -> None:
+    """Continues from `state()` of a sampler over as many examples, with the same seed and
+    batch size (the process layout may differ); ValueError naming any difference."""
+    missing = [k for k in self._STATE_KEYS if k not in state]
+    if missing:
+      raise ValueError(f"sampler state lacks {missing}: got keys {sorted(state)}")
+    saved, mine = {k: int(state[k]) for k in self._STATE_KEYS}, self.state()
+    wrong = [f"{k}={saved[k]} (this sampler: {mine[k]})" for k in self._STATE_KEYS
+             if k != "step" and saved[k] != mine[k]]
+    if wrong:
+      raise ValueError(f"sampler state is for another order: {', '.join(wrong)}")
+    if saved["step"] < 0:
+      raise ValueError(f"sampler state has step={saved['step']} < 0")
+    self.step = saved["step"]

@@ -17,7 +17,7 @@ each document's tokens are followed by `</s>`, and the documents are concatenate
 stream. A sequence of length N is `<s>` + N - 2 consecutive tokens of the stream + `</s>`, so
 sequences run across document boundaries, which the `</s>` inside them mark. `pack` cuts a whole
 stream into such rows (the last one padded with `<pad>`); training draws its rows from the same
-stream at per-epoch offsets (`training.mlm`).
+stream at per-epoch offsets (`tasks.mlm`).
 
 Text sources (`text_of`): "enwik8", "text8" and their bundled samples (`load_split`'s bytes, read
 as UTF-8); "tfds:NAME" or "tfds:NAME:FIELD" (a prepared TFDS dataset's `text` feature, or FIELD,
@@ -57,7 +57,6 @@ _CACHE_VERSION = "mlm-stream-v1"  # bump when `documents` / `encode_documents` c
 def train_bpe(texts: Iterable[str], vocab_size: int):
   """A byte-level BPE tokenizer (RoBERTa's kind) trained on `texts`, with RoBERTa's special
   tokens as ids 0-4. About 3 s for the 5.5 MB training split of enwik8_sample on 2 cores."""
-  # pylint: disable-next=g-import-not-at-top
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   alphabet = pre_tokenizers.ByteLevel.alphabet()
   if not isinstance(vocab_size, int) or vocab_size < len(alphabet) + len(ROBERTA_SPECIAL_TOKENS):
@@ -105,7 +104,7 @@ def special_ids(tokenizer) -> SpecialIds:
 
 def is_byte_level(tokenizer) -> bool:
   """Whether the tokenizer is a byte-level BPE (decodes with `decoders.ByteLevel`)."""
-  from tokenizers import decoders  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders
   return isinstance(tokenizer.decoder, decoders.ByteLevel)
 
 
@@ -184,12 +183,12 @@ def text_of(source: str, split: str, data_dir: str | os.PathLike | None = None) 
   """The documents of `split` ("train", "validation", "test") of a text source (module doc)."""
   if split not in _LOCAL_SPLITS:
     raise ValueError(f"split must be one of {_LOCAL_SPLITS}, got {split!r}")
-  from longformer_jax.data import DATASETS, load_split  # pylint: disable=g-import-not-at-top
+  from longformer_jax.data import DATASETS, load_split
   if source in DATASETS:
     return documents(load_split(source, split, data_dir).tobytes().decode("utf-8", "replace"))
   if source.startswith("tfds:"):
     return _tfds_documents(source.removeprefix("tfds:"), split, data_dir)
-  from longformer_jax.data.corpora import split_bounds  # pylint: disable=g-import-not-at-top
+  from longformer_jax.data.corpora import split_bounds
   data = _local_bytes(source)
   start, stop = split_bounds(len(data))[split]
   return documents(data[start:stop].decode("utf-8", "replace"))
@@ -218,7 +217,7 @@ def _tfds_documents(spec: str, split: str, data_dir) -> list[str]:
   (default "text"; strings, bytes or uint8 arrays). A dataset without the split (Wikipedia has
   only "train") gives its train split's 90% / 5% / 5% by record."""
   try:
-    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+    import tensorflow_datasets as tfds
     # The project's own builders (enwik8_sample, ...) become TFDS names.
     builders = importlib.import_module("longformer_jax.data.builders")
   except ImportError as e:
@@ -257,13 +256,13 @@ def _tfds_documents(spec: str, split: str, data_dir) -> list[str]:
 def _source_identity(source: str, split: str) -> str:
   """What the ids of (source, split) depend on, besides the tokenizer: the bytes of local files
   (hashed), else the name (the corpora are fixed and checked when read)."""
-  from longformer_jax.data import DATASETS  # pylint: disable=g-import-not-at-top
+  from longformer_jax.data import DATASETS
   if source in DATASETS or source.startswith("tfds:"):
     return f"{source}/{split}"
   digest = hashlib.sha256()
   for path in _local_files(source):
     with open(path, "rb") as f:
-      for block in iter(lambda: f.read(1 << 22), b""):  # pylint: disable=cell-var-from-loop
+      for block in iter(lambda: f.read(1 << 22), b""):
         digest.update(block)
     digest.update(b"\0")
   return f"file:{digest.hexdigest()}/{split}"

@@ -66,57 +66,57 @@ _NOT_LETTER_RUN = re.compile(rb"[^a-z]+")  # `tr/a-z/ /cs`: each run of non-lett
 
 
 def _records(xml: bytes) -> list[bytes]:
-    """Splits like Perl's `$/ = ">"`: every record keeps its closing `>`; a tail without one is
-    the last record."""
-    parts = xml.split(b">")
-    records = [part + b">" for part in parts[:-1]]
-    if parts[-1]:
-        records.append(parts[-1])
-    return records
+  """Splits like Perl's `$/ = ">"`: every record keeps its closing `>`; a tail without one is
+  the last record."""
+  parts = xml.split(b">")
+  records = [part + b">" for part in parts[:-1]]
+  if parts[-1]:
+    records.append(parts[-1])
+  return records
 
 
 def _clean(record: bytes) -> bytes:
-    """One record through the filter's substitutions; returns `' word word'` or `b''`."""
-    record = _FIRST_TAG.sub(b"", record, count=1)
-    for entity, char in _ENTITIES:
-        record = record.replace(entity, char)
-    for pattern, replacement in _MARKUP:
-        record = pattern.sub(replacement, record)
-    record = record.translate(None, b"[]")
-    record = _ENTITY_LEFTOVER.sub(b" ", record)
-    record = b" " + record.lower() + b" "  # bytes.lower() folds ASCII only, like Perl's tr/A-Z/a-z/
-    record = _DIGIT.sub(lambda m: _DIGIT_WORDS[m.group()], record)
-    record = _NOT_LETTER_RUN.sub(b" ", record)
-    return record[:-1]  # Perl's `chop`: the framing space, so records join with one space
+  """One record through the filter's substitutions; returns `' word word'` or `b''`."""
+  record = _FIRST_TAG.sub(b"", record, count=1)
+  for entity, char in _ENTITIES:
+    record = record.replace(entity, char)
+  for pattern, replacement in _MARKUP:
+    record = pattern.sub(replacement, record)
+  record = record.translate(None, b"[]")
+  record = _ENTITY_LEFTOVER.sub(b" ", record)
+  record = b" " + record.lower() + b" "  # bytes.lower() folds ASCII only, like Perl's tr/A-Z/a-z/
+  record = _DIGIT.sub(lambda m: _DIGIT_WORDS[m.group()], record)
+  record = _NOT_LETTER_RUN.sub(b" ", record)
+  return record[:-1]  # Perl's `chop`: the framing space, so records join with one space
 
 
 def wikifil(xml: bytes) -> bytes:
-    """Filters MediaWiki XML to text8-style text: lowercase a-z and single spaces.
+  """Filters MediaWiki XML to text8-style text: lowercase a-z and single spaces.
 
-    Byte-identical to `perl wikifil.pl` on the same input (tested against its output on the
-    bundled Wikipedia sample). Only the text of `<text ...>` elements is kept, redirect pages are
-    dropped, markup is removed while link and caption text stays, digits are spelled out
-    ("1984" -> "one nine eight four"), and every other character separates words.
+  Byte-identical to `perl wikifil.pl` on the same input (tested against its output on the
+  bundled Wikipedia sample). Only the text of `<text ...>` elements is kept, redirect pages are
+  dropped, markup is removed while link and caption text stays, digits are spelled out
+  ("1984" -> "one nine eight four"), and every other character separates words.
 
-    Args:
-      xml: the raw bytes of a MediaWiki export (any encoding; only ASCII letters survive).
+  Args:
+    xml: the raw bytes of a MediaWiki export (any encoding; only ASCII letters survive).
 
-    Returns:
-      ASCII bytes over `b" abcdefghijklmnopqrstuvwxyz"`, never two spaces in a row; a space comes
-      first whenever anything is printed.
-    """
-    if not isinstance(xml, (bytes, bytearray, memoryview)):
-        raise TypeError(f"wikifil expects bytes, got {type(xml).__name__}")
-    out = []
-    in_text = False
-    for record in _records(bytes(xml)):
-        if _TEXT_START in record:
-            in_text = True
-        if _REDIRECT.search(record):
-            in_text = False
-        if not in_text:
-            continue
-        if _TEXT_END in record:
-            in_text = False  # this record is still printed
-        out.append(_clean(record))
-    return b"".join(out)
+  Returns:
+    ASCII bytes over `b" abcdefghijklmnopqrstuvwxyz"`, never two spaces in a row; a space comes
+    first whenever anything is printed.
+  """
+  if not isinstance(xml, (bytes, bytearray, memoryview)):
+    raise TypeError(f"wikifil expects bytes, got {type(xml).__name__}")
+  out = []
+  in_text = False
+  for record in _records(bytes(xml)):
+    if _TEXT_START in record:
+      in_text = True
+    if _REDIRECT.search(record):
+      in_text = False
+    if not in_text:
+      continue
+    if _TEXT_END in record:
+      in_text = False  # this record is still printed
+    out.append(_clean(record))
+  return b"".join(out)

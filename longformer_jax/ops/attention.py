@@ -25,7 +25,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -14,9 +14,9 @@ Two kernel families share the wrapper here (padding, block bounds, custom_vjp):
   band of that query block (bounds computed from `pl.program_id`), then, with global keys, over
   one more tile holding them. q, k, v stay in the caller's [B, N, H, D] layout (Triton addresses
   strided blocks, no transpose); a dilated head's subsequences are strided blocks of the same
-  array (docs/design.md §2.1), one launch per run of heads with one dilation. Backward: one kernel for
-  dK/dV (grid over key blocks, loop over the query blocks whose band reaches them) and one for dQ
-  (grid over query blocks, loop as in the forward); delta = rowsum(out * dout) - dlse is a small
+  array (docs/design.md §2.1), one launch per run of heads with one dilation. Backward: one kernel
+  for dK/dV (grid over key blocks, loop over the query blocks whose band reaches them) and one for
+  dQ (grid over query blocks, loop as in the forward); delta = rowsum(out * dout) - dlse is a small
   XLA reduction outside the kernels.
 * backend="tpu" (`band_pallas_tpu.py`): Mosaic TPU kernels with the band walked by a grid axis
   whose index maps clamp to the band, VMEM scratch accumulators; q, k, v stay [B, N, H, D], seen
@@ -450,7 +450,7 @@ def _triton_dq_kernel(q_ref, k_ref, v_ref, mask_ref, do_ref, lse_ref, delta_ref,
 
 
 def _triton_params(blocks: BlockSizes):
-  from jax.experimental.pallas import triton as pl_triton  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas import triton as pl_triton
   return pl_triton.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
@@ -673,7 +673,7 @@ class _Config:
 @functools.partial(jax.jit, static_argnums=(5,))
 def _forward_impl(q, k, v, mask_BxN, glob, cfg):
   if cfg.backend == "tpu":
-    from longformer_jax.ops import band_pallas_tpu  # pylint: disable=g-import-not-at-top
+    from longformer_jax.ops import band_pallas_tpu
     return band_pallas_tpu.forward(q, k, v, mask_BxN, cfg)
   return _triton_forward(q, k, v, mask_BxN, glob, cfg)
 
@@ -698,7 +698,7 @@ def _backward_impl(q, k, v, mask_BxN, glob, out, lse_BxHxN, dout, dlse_BxHxN, cf
   # delta_i = sum_d out_id * dout_id - dlse_i: with it ds = P * (dP - delta) carries both the
   # out and the lse cotangent (d lse_i / d s_ij = P_ij).
   if cfg.backend == "tpu":  # The TPU dQ kernel computes delta itself (see band_pallas_tpu).
-    from longformer_jax.ops import band_pallas_tpu  # pylint: disable=g-import-not-at-top
+    from longformer_jax.ops import band_pallas_tpu
     return (*band_pallas_tpu.backward(q, k, v, mask_BxN, out, dout, lse_BxHxN, dlse_BxHxN, cfg),
             None)
   rowdot = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)
@@ -781,7 +781,7 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
     # kernel that combines a block with a constant (jax 0.11, 0.12: the block carries the
     # varying manual axes, the constant none); the TPU interpreter runs the same kernel through
     # callbacks, where those types do not exist, with results equal to the bit.
-    from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+    from jax.experimental.pallas import tpu as pltpu
     interpret = pltpu.InterpretParams()
   if block_sizes is None:
     if backend == "tpu":
@@ -799,7 +799,7 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
 
   pad_heads = 0
   if backend == "tpu":
-    from longformer_jax.ops import band_pallas_tpu  # pylint: disable=g-import-not-at-top
+    from longformer_jax.ops import band_pallas_tpu
     block_sizes = band_pallas_tpu.fit_blocks(block_sizes, seq)
     # Zero heads, like zero features, attend and output nothing that is kept (sliced off).
     pad_heads = -heads % band_pallas_tpu.head_group(kernel_head_dim(head_dim, backend))

@@ -46,7 +46,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl

@@ -1,4 +1,5 @@
-"""Staged, mesh-sharded training with exact Orbax resume (the entry points in train/ run it).
+"""The training engine: staged, mesh-sharded training with exact Orbax resume, for any `Task`
+(the tasks themselves live in `longformer_jax.tasks`; the entry points in train/ run them).
 
   config     Stage, TrainConfig, paper_stages, run_config.json
   identity   what a run is fixed to: check_resume, RunMismatchError
@@ -7,16 +8,11 @@
   sharding   the (data, fsdp, seq) mesh, logical axis rules, parameter and batch shardings
   metrics    metrics.jsonl / TensorBoard and the curves plot
   task       Task: what a model family supplies (model, loss, batches, validation)
-  charlm     CharLMTask: the character-level LM
-  mlm        MLMTask: continued masked-LM pretraining (paper §5), its evaluation and presets
-  seq2seq    Seq2SeqTask: LED on (source, target) pairs, ROUGE of generated outputs
-  finetune   FinetuneTask: classification, QA, tagging, multiple choice (paper §6)
   sources    where a run's starting weights come from: any model directory, their checksum
   examples   scoring whole examples on a mesh: row batches, placement, progress
   loop       TrainState, Trainer, train()
 """
 
-from longformer_jax.training.charlm import CharLMTask
 from longformer_jax.training.config import (
     PAPER_STEPS_LARGE, PAPER_STEPS_SMALL, Stage, TrainConfig, config_from_record, config_record,
     paper_stages, read_run_config, write_run_config)
@@ -31,7 +27,7 @@ from longformer_jax.training.sharding import (
 from longformer_jax.training.task import Batches, Task
 
 __all__ = [
-    "Batches", "CharLMTask", "LOGICAL_RULES", "MetricsLog", "NonFiniteLossError",
+    "Batches", "LOGICAL_RULES", "MetricsLog", "NonFiniteLossError",
     "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "RunMismatchError", "Stage", "Task", "TrainConfig",
     "TrainState", "Trainer", "apply_overrides", "batch_sharding", "check_resume",
     "config_from_record", "config_record", "learning_rate_schedule", "logical_to_mesh", "make_mesh",

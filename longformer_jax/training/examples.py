@@ -63,7 +63,7 @@ def to_host(x: jax.Array) -> np.ndarray:
   """A global array's whole value, on every process."""
   if x.is_fully_addressable:
     return np.asarray(x)
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -71,5 +71,5 @@ def progress(iterable: Iterable, total: int, desc: str, unit: str, enabled: bool
   """`iterable` behind a tqdm bar (rate, ETA) on process 0 when `enabled`; else itself."""
   if not (enabled and jax.process_index() == 0):
     return iterable
-  from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  from tqdm import tqdm
   return tqdm(iterable, total=total, desc=desc, unit=unit, dynamic_ncols=True)

@@ -54,7 +54,7 @@ def _flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def _same(a: Any, b: Any) -> bool:
   # Records come from JSON (lists) or from a live config (tuples).
-  normal = lambda x: [normal(v) for v in x] if isinstance(x, (list, tuple)) else x  # noqa: E731
+  normal = lambda x: [normal(v) for v in x] if isinstance(x, (list, tuple)) else x
   return normal(a) == normal(b)
 
 

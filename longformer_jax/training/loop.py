@@ -53,7 +53,6 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from longformer_jax import checkpoint
-from longformer_jax.training.charlm import CharLMTask
 from longformer_jax.training import identity
 from longformer_jax.training.config import (RUN_CONFIG, Stage, TrainConfig, config_record,
                                              read_run_record, write_run_config)
@@ -91,12 +90,15 @@ class Trainer:
   """The pieces `train` assembles, usable on their own (tests, notebooks): mesh, shardings,
   initial state, one jitted step per stage, checkpoint save/restore.
 
-  task: the model-specific part (default: the char LM, `CharLMTask()`).
+  task: what is trained (a `Task`, e.g. `tasks.CharLMTask()`).
   """
 
-  def __init__(self, cfg: TrainConfig, mesh: Mesh | None = None, task: Task | None = None):
+  def __init__(self, cfg: TrainConfig, mesh: Mesh | None = None, *, task: Task):
+    if not isinstance(task, Task):
+      raise TypeError(f"task must be a training.Task (e.g. tasks.CharLMTask()), got "
+                      f"{type(task).__name__}")
     self.cfg = cfg
-    self.task = CharLMTask() if task is None else task
+    self.task = task
     self.task.check(cfg)
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh_shape)
     self.optimizer = make_optimizer(cfg)
@@ -430,21 +432,18 @@ def _any_process(flag: bool) -> bool:
   """
   if jax.process_count() == 1:
     return flag
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils
   return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
 
 
-def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
-          train_data: np.ndarray | None = None, valid_data: np.ndarray | None = None,
+def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           mesh: Mesh | None = None, progress: bool = True, logdir: str | os.PathLike | None = None,
           step_hook: Callable[[int, dict[str, float]], None] | None = None,
-          task: Task | None = None, allow_changes: Sequence[str] = (),
+          allow_changes: Sequence[str] = (),
           init_params: Callable[[], Any] | None = None) -> dict[str, Any]:
   """Runs (or resumes) the staged schedule of `cfg` in `workdir`; returns a summary dict.
 
-  task: what is trained (default: the char LM, `CharLMTask(train_data, valid_data)`).
-  train_data / valid_data: the char LM's byte arrays (default: `cfg.dataset`'s train and
-    validation splits); with another task, give the data to the task instead.
+  task: what is trained (`longformer_jax.tasks`: e.g. `CharLMTask(train_bytes, valid_bytes)`).
   step_hook(step, metrics): called on every host after each step (tests use it to record losses
     or to raise SIGTERM).
   logdir: local directory for metrics.jsonl, tensorboard/ and curves.png (default: the workdir
@@ -461,16 +460,12 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
   `checkpoint.CheckpointError` (a failed save, or no checkpoint that restores): one-line
   messages.
   """
-  if task is None:
-    task = CharLMTask(train_data, valid_data)
-  elif train_data is not None or valid_data is not None:
-    raise ValueError("train_data / valid_data are the char-LM task's; give them to your task")
   workdir = epath.Path(workdir)
   if logdir is None:
     logdir = Path("runs") / workdir.name if "://" in str(workdir) else Path(workdir)
   logdir = Path(logdir)
   is_main = jax.process_index() == 0
-  trainer = Trainer(cfg, mesh, task)
+  trainer = Trainer(cfg, mesh, task=task)
   checkpoints_dir = workdir / checkpoint.CHECKPOINTS
 
   # 1. Identity and state, before anything is written: the run's settings are those of the
@@ -532,7 +527,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, *,
 
   pbar = None
   if progress and is_main:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import tqdm
     pbar = tqdm(total=cfg.total_steps, initial=step, unit="step", dynamic_ncols=True)
 
   try:

@@ -30,7 +30,7 @@ class MetricsLog:
       atomic_write(self.path, "".join(f"{line}\n" for line in kept))
     self._file = open(self.path, "a", encoding="utf-8")
     try:
-      from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+      from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(workdir / "tensorboard"))
     except ImportError:
       print("note: tensorboardX is not installed; TensorBoard logs skipped "
@@ -58,9 +58,9 @@ def plot_curves(metrics_path: Path, png_path: Path, keys: Sequence[str] = ("trai
                 ylabel: str = "loss") -> None:
   """The metrics `keys` against step (a line per key; keys starting with "valid" get markers),
   written atomically as a PNG."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
+  import matplotlib
   matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  import matplotlib.pyplot as plt
   records = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
   fig, ax = plt.subplots(figsize=(7, 4))
   for key in keys:

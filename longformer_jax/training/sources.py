@@ -38,10 +38,8 @@ def open_model_dir(spec: str | os.PathLike, hf: Mapping[str, Callable[[str], nnx
 
   Raises FileNotFoundError / ValueError naming the directory and what it holds.
   """
-  # pylint: disable=g-import-not-at-top
   from longformer_jax import checkpoint
   from longformer_jax.training.config import config_from_record, read_run_record
-  # pylint: enable=g-import-not-at-top
   spec = os.fspath(spec)
   if not os.path.isdir(spec):
     raise FileNotFoundError(f"{spec} is not a model directory: no such directory")

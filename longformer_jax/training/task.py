@@ -1,7 +1,7 @@
 """`Task`: what the training loop needs to know about one kind of model and data.
 
 The loop (`training.loop`), the sharding, the checkpoints and the metrics are the same for every
-model; a task supplies the rest. `training.charlm.CharLMTask` is the character-level LM; a masked
+model; a task supplies the rest. `tasks.CharLMTask` is the character-level LM; a masked
 LM or a seq2seq task subclasses `Task` the same way, e.g.
 
     class MaskedLMTask(Task):
@@ -52,7 +52,7 @@ class Task(abc.ABC):
   plot_keys: tuple[str, ...] = ("train_loss",)
   plot_ylabel: str = "loss"
 
-  def check(self, cfg: TrainConfig) -> None:
+  def check(self, cfg: TrainConfig) -> None:  # noqa: B027 (optional to override)
     """Raises ValueError when `cfg` is not a run this task can train (default: accepts all)."""
 
   def data_identity(self, cfg: TrainConfig) -> dict[str, Any]:

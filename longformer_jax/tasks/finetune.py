@@ -357,8 +357,10 @@ def predict(model: nnx.Module, split: fd.FinetuneSplit, *, global_attention: str
   ids = _batch_ids(model.config)
   parts = collections.defaultdict(list)
   batches = examples.row_batches(num, batch_size, mesh)
-  for rows, real in examples.progress(batches, len(batches), f"eval {split.task}", "batch", progress):
-    out = fn(state, examples.put_batch(fd.batch(split, rows, global_attention=mode, **ids), mesh, rules))
+  for rows, real in examples.progress(batches, len(batches), f"eval {split.task}", "batch",
+                                     progress):
+    batch = fd.batch(split, rows, global_attention=mode, **ids)
+    out = fn(state, examples.put_batch(batch, mesh, rules))
     for name, x in out.items():
       parts[name].append(examples.to_host(x)[:real])
   return {name: np.concatenate(xs) for name, xs in parts.items()}
@@ -525,9 +527,7 @@ def load_source(spec: str, tokenizer=None, *, options: FinetuneOptions = Finetun
 
   Raises FileNotFoundError / ValueError naming what is wrong.
   """
-  # pylint: disable=g-import-not-at-top
   from longformer_jax import convert
-  # pylint: enable=g-import-not-at-top
   if spec in PRESETS and not os.path.exists(spec):
     ids = {}
     if tokenizer is not None:
@@ -597,7 +597,7 @@ def initial_params(source: ModelSource, model: nnx.Module) -> dict[str, Any]:
   given = traverse_util.flatten_dict(source.params)
   if source.model_class == "LongformerModel":  # the bare encoder: saved without the prefix
     given = {("longformer",) + path: x for path, x in given.items()}
-  name = lambda path: "/".join(map(str, path))  # noqa: E731
+  name = lambda path: "/".join(map(str, path))
   usable = {p for p, x in target.items() if p in given and given[p].shape == x.shape}
   bad = [f"{name(p)} {'missing' if p not in given else given[p].shape} (model: {x.shape})"
          for p, x in target.items() if p not in usable and not _is_head(p)]

@@ -1,4 +1,7 @@
-"""Bits per character of a causal byte LM over a whole split, every character scored once.
+"""The character-level LM task (paper §4): `LongformerForCausalLM` on a byte stream, next-byte
+NLL, `BatchSampler` batches, and bits per character over whole splits (the paper's evaluation).
+
+Bits per character of a causal byte LM over a whole split, every character scored once.
 
 Indexing: a split of N bytes gives N - 1 predictions; the logit at input position p predicts
 byte p + 1 (the first byte has no context and is not scored, as in every enwik8/text8 number
@@ -20,17 +23,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from longformer_jax import checkpoint
 from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
+from longformer_jax.config import CharLMConfig
+from longformer_jax.training.config import Stage, TrainConfig, config_from_record, read_run_config
+from longformer_jax.training.sharding import (
+    batch_axes, make_mesh, param_shardings, row_group, seq_axis)
+from longformer_jax.training.task import Batches, Task, dict_batches
 
 PROTOCOLS = ("sliding", "chunks")
 
@@ -117,9 +128,6 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   windows = None if windows is None else tuple(windows)
 
   if mesh is not None:
-    # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
-    from longformer_jax.training.sharding import (  # pylint: disable=g-import-not-at-top
-        batch_axes, row_group, seq_axis)
     rows, seq = batch_axes(mesh), seq_axis(mesh)
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(rows, seq))
     row_shards = math.prod(mesh.shape[a] for a in rows)
@@ -144,7 +152,7 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   total, count = 0.0, 0
   batches = _batches(data, plan, length, batch_size)
   if progress and jax.process_index() == 0:
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import tqdm
     batches = tqdm(batches, total=math.ceil(len(plan) / batch_size), desc=f"eval {protocol}",
                    unit="batch")
   for inputs, targets, weights in batches:
@@ -177,7 +185,6 @@ def evaluate_bpc(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
 
 
 def _default_mesh(mesh):
-  from longformer_jax.training import make_mesh  # pylint: disable=g-import-not-at-top
   return make_mesh((-1, 1)) if mesh is None else mesh
 
 
@@ -187,12 +194,6 @@ def restore_run(workdir, *, step: int | None = None, mesh: jax.sharding.Mesh | N
   restores and verifies; damaged ones are skipped with a warning) and nothing else (no optimizer
   state), built for and sharded over `mesh` (default: all devices on the data axis) by the run's
   logical rules; windows: the final stage's, from the settings saved with that checkpoint."""
-  # Not at the top: `import longformer_jax` (which imports this module) leaves training out.
-  from longformer_jax.training import (  # pylint: disable=g-import-not-at-top
-      param_shardings, read_run_config)
-  from longformer_jax.training.config import (  # pylint: disable=g-import-not-at-top
-      config_from_record)
-  from longformer_jax.training.sharding import seq_axis  # pylint: disable=g-import-not-at-top
   cfg = read_run_config(workdir)
   mesh = _default_mesh(mesh)
   model, step, meta = checkpoint.restore_model_and_meta(
@@ -236,3 +237,76 @@ def describe(result: dict) -> str:
   """One line for an `evaluate_run` result."""
   return (f"{result['bpc']:.4f} bpc ({result['protocol']}, context {result['context']}, stride "
           f"{result['stride']}; {result['bytes']:,} bytes; step {result['step']})")
+
+
+
+class CharLMTask(Task):
+  """train_data / valid_data: byte arrays (default: `cfg.dataset`'s train and validation splits,
+  loaded when first needed). Batches are {"inputs", "targets"}, int32 [rows, seq_len]."""
+
+  plot_keys = ("train_bpc", "valid_bpc")
+  plot_ylabel = "bits per character"
+
+  def __init__(self, train_data: np.ndarray | None = None,
+               valid_data: np.ndarray | None = None):
+    self._train_data = None if train_data is None else np.asarray(train_data)
+    self._valid_data = None if valid_data is None else np.asarray(valid_data)
+
+  def check(self, cfg: TrainConfig) -> None:
+    if not isinstance(cfg.model, CharLMConfig):
+      raise ValueError(f"the char-LM task trains a CharLMConfig model, got "
+                       f"{type(cfg.model).__name__}")
+    for i, stage in enumerate(cfg.stages):
+      if stage.windows is not None and len(stage.windows) != cfg.model.num_hidden_layers:
+        raise ValueError(f"stages[{i}].windows has {len(stage.windows)} entries for a "
+                         f"{cfg.model.num_hidden_layers}-layer model: {stage.windows}")
+
+  def data_identity(self, cfg: TrainConfig) -> dict[str, Any]:
+    """The training bytes' length and SHA-256 (a 90 MB split hashes in well under a second)."""
+    if self._train_data is None:
+      self._train_data = _load(cfg, "train")
+    data = np.ascontiguousarray(self._train_data)
+    return {"train_bytes": int(data.size),
+            "train_sha256": hashlib.sha256(data.tobytes()).hexdigest()}
+
+  def build_model(self, config: CharLMConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
+                  seq_axis: str | None = None) -> LongformerForCausalLM:
+    return LongformerForCausalLM(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
+
+  def loss(self, model, batch, stage: Stage, dropout_key: jax.Array) -> jax.Array:
+    # stage.windows None: the model config's windows.
+    logits_BxNxV = model(batch["inputs"], windows=stage.windows, dropout_key=dropout_key)
+    return jnp.mean(next_byte_nll(logits_BxNxV, batch["targets"]))
+
+  def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
+              process_count: int) -> Batches:
+    from longformer_jax.data import BatchSampler
+    if self._train_data is None:
+      self._train_data = _load(cfg, "train")
+    stage = cfg.stages[stage_index]
+    sampler = BatchSampler(
+        self._train_data, seq_len=stage.seq_len, global_batch_size=stage.batch_size,
+        seed=cfg.seed + stage_index, process_index=process_index, process_count=process_count)
+    return dict_batches(sampler, ("inputs", "targets"))
+
+  def evaluate(self, model, cfg: TrainConfig, stage_index: int, mesh: Mesh) -> dict[str, float]:
+    """BPC on the first `cfg.eval_tokens` bytes of the validation data, in non-overlapping
+    windows of the stage's sequence length, with the stage's windows."""
+    if self._valid_data is None:
+      self._valid_data = _load(cfg, "validation")
+    data = self._valid_data
+    if cfg.eval_tokens is not None:
+      data = data[:cfg.eval_tokens + 1]
+    stage = cfg.stages[stage_index]
+    bpc = evaluate_bpc(model, data, context=stage.seq_len, stride=stage.seq_len,
+                       batch_size=cfg.eval_batch_size, protocol="chunks",
+                       windows=cfg.stage_windows(stage_index), mesh=mesh)
+    return {"valid_bpc": bpc}
+
+  def train_metrics(self, loss: float) -> dict[str, float]:
+    return {"train_bpc": loss / math.log(2)}
+
+
+def _load(cfg: TrainConfig, split: str) -> np.ndarray:
+  from longformer_jax.data import load_split
+  return load_split(cfg.dataset, split, cfg.data_dir)

@@ -396,7 +396,7 @@ def load_source(spec: str, tokenizer=None, *, bart_positions: int = 16384,
 
   Raises FileNotFoundError / ValueError naming what is wrong.
   """
-  from longformer_jax import convert  # pylint: disable=g-import-not-at-top
+  from longformer_jax import convert
   if spec in PRESETS and not os.path.exists(spec):
     if tokenizer is None:
       raise ValueError(f"the preset {spec!r} takes its vocabulary from a tokenizer; give one")
@@ -487,7 +487,7 @@ def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, fl
     raise ValueError(f"need as many predictions as references, at least one: got "
                      f"{len(predictions)} and {len(references)}")
   try:
-    from rouge_score import rouge_scorer  # pylint: disable=g-import-not-at-top
+    from rouge_score import rouge_scorer
   except ImportError as e:
     raise ImportError("ROUGE needs the rouge-score package (pip install rouge-score, or "
                       "longformer-jax[torch])") from e

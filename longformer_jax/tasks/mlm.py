@@ -149,7 +149,7 @@ class MaskedBatches:
   def __init__(self, stream: np.ndarray, stage: Stage, *, seed: int, stage_index: int,
                specials: SpecialIds, vocab_size: int, rate: float, process_index: int,
                process_count: int):
-    from longformer_jax.data import BatchSampler  # pylint: disable=g-import-not-at-top
+    from longformer_jax.data import BatchSampler
     # Windows of seq_len - 1 tokens; the sampler's next-token target (the last) is not used.
     self._sampler = BatchSampler(stream, seq_len=stage.seq_len - 2,
                                  global_batch_size=stage.batch_size, seed=seed + stage_index,
@@ -366,12 +366,10 @@ def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
   """`evaluate_mlm` of a training run's checkpoint (default: the newest that restores and
   verifies) on a split of its dataset, with the run's tokenizer (<workdir>/tokenizer.json), seed,
   masking rate and the last stage's sequence length. Reads the parameters only."""
-  # pylint: disable=g-import-not-at-top
   from etils import epath
   from longformer_jax import checkpoint
   from longformer_jax.training.config import config_from_record, read_run_config
   from longformer_jax.training.sharding import make_mesh, param_shardings, seq_axis
-  # pylint: enable=g-import-not-at-top
   workdir = epath.Path(workdir)
   cfg = read_run_config(workdir)
   mesh = make_mesh((-1, 1)) if mesh is None else mesh
@@ -399,7 +397,7 @@ def load_pretrained(source: str | os.PathLike, *, max_positions: int, window: in
   paper's recipe (`max_positions` tokens, one-sided `window`; kind "hf_roberta"), an HF
   Longformer ("hf_longformer"; its own positions and windows), a project model checkpoint
   ("checkpoint") or an MLM training workdir ("workdir")."""
-  from longformer_jax import convert  # pylint: disable=g-import-not-at-top
+  from longformer_jax import convert
   hf = {"roberta": functools.partial(convert.roberta_to_longformer, max_positions=max_positions,
                                      window=window),
         "longformer": functools.partial(convert.from_hf, model_class=LongformerForMaskedLM)}

@@ -1,0 +1,12 @@
+"""What is trained: one module per task, each with its data layout, model, loss, metrics and
+final evaluation, on the engine of `longformer_jax.training` (the `Task` contract).
+
+  charlm     CharLMTask: the character-level LM (paper §4) and its bits-per-character evaluation
+  mlm        MLMTask: continued masked-LM pretraining (paper §5), its evaluation and presets
+  finetune   FinetuneTask: classification, QA, tagging, multiple choice (paper §6)
+  seq2seq    Seq2SeqTask: LED on (source, target) pairs, ROUGE of generated outputs (paper §6)
+"""
+
+from longformer_jax.tasks.charlm import CharLMTask
+
+__all__ = ["CharLMTask"]
