@@ -1,4 +1,15 @@
-"""Character-level LM data: enwik8, text8 and their bundled samples, as byte arrays and batches.
+"""Data for every task: the byte corpora (enwik8, text8 and their bundled samples) and the
+tokenized and JSONL data of the other tasks.
+
+  builders       TFDS builders of the byte corpora, read without TensorFlow
+  corpora        where the corpora's bytes come from and their checks; the split boundaries
+  wikifil        Mahoney's wikifil (enwik8 XML -> text8 characters)
+  sampler        BatchSampler: resumable (inputs, targets) batches of a token stream
+  text           JSONL records, HF tokenizers, padded id batches, a resumable example order
+  tokenized      token caches and packed rows of tokenized documents (masked LM)
+  finetune_data  the JSONL record layouts of the fine-tuning kinds, and their batches
+
+The byte corpora, as arrays and batches:
 
     >>> from longformer_jax.data import load_split, BatchSampler
     >>> train = load_split("enwik8_sample", "train")      # uint8, 5,480,771 bytes, offline
