@@ -59,6 +59,7 @@ from flax import nnx
 
 from longformer_jax import LongformerConfig, convert
 from longformer_jax.data import tokenized
+from longformer_jax.data.tokenizer import special_ids
 from longformer_jax.io import atomic_write, save_figure
 from longformer_jax.training import Stage, TrainConfig, Trainer
 from longformer_jax.tasks.mlm import MLMTask
@@ -270,7 +271,7 @@ def main(argv=None) -> int:
   log(f"training a {args.vocab}-id byte-level BPE on {DATASET} (train split)")
   tokenizer = tokenized.train_bpe(tokenized.text_of(DATASET, "train"), args.vocab)
   streams = {split: tokenized.encode_documents(tokenizer, tokenized.text_of(DATASET, split),
-                                               tokenized.special_ids(tokenizer).eos)
+                                               special_ids(tokenizer).eos)
              for split in ("train", "validation")}
   log(f"{streams['train'].size:,} train and {streams['validation'].size:,} validation tokens")
   vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
@@ -301,7 +302,7 @@ def main(argv=None) -> int:
 
     roberta = to_roberta(short)
     probe = np.asarray(tokenized.pack(streams["validation"][:args.short_len * 2],
-                                      args.short_len, tokenized.special_ids(tokenizer))[:2])
+                                      args.short_len, special_ids(tokenizer))[:2])
     max_logit_diff.append(check_same_logits(short, roberta, probe))
     copied = convert.roberta_to_longformer(roberta, max_positions=args.long_len, window=window)
     arms = {"copied": copied, "random": with_random_positions(copied, seed)}

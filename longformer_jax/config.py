@@ -136,7 +136,8 @@ class TransformerConfig(_FrozenConfig):
 class LongformerConfig(TransformerConfig):
   """Hyperparameters of a Longformer encoder and its task heads (HF's `LongformerConfig`).
 
-  Defaults are allenai/longformer-base-4096. `max_position_embeddings` counts RoBERTa's offset:
+  Defaults are allenai/longformer-base-4096 (`base()`); `large()` is allenai/longformer-large-4096
+  and `tiny()` a test size. `max_position_embeddings` counts RoBERTa's offset:
   positions start at `pad_token_id + 1`, so 4098 holds 4096 tokens (see `max_sequence_length`).
   """
 
@@ -176,6 +177,15 @@ class LongformerConfig(TransformerConfig):
     """allenai/longformer-large-4096: 24 layers, hidden 1024, 16 heads, window 256 per side."""
     shape = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                  intermediate_size=4096)
+    return cls(**{**shape, **changes})
+
+  @classmethod
+  def tiny(cls, **changes) -> LongformerConfig:
+    """A model for tests and demos: 2 layers, hidden 64, 4 heads, intermediate 128, one-sided
+    window 32, vocabulary 512, positions for 4,096 tokens, no dropout."""
+    shape = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=128, attention_window=32, max_position_embeddings=4098,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     return cls(**{**shape, **changes})
 
 

@@ -16,7 +16,9 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
+from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer
 from longformer_jax.tasks import finetune as ft
 from train import finetune as cli
 
@@ -234,7 +236,7 @@ def _far_label_records(n, seed, *, length=126, far=80, copies=16):
 def test_far_token_reaches_s_only_through_global_attention():
   """Exact, untrained: <s>'s logits change with a token at position 100 when <s> is global, and
   not at all (bit for bit) when no token is (2 layers x window 32 = 64 positions of reach)."""
-  model = ft.MODEL_CLASSES["classification"](ft.tiny_config(), rngs=nnx.Rngs(0))
+  model = ft.MODEL_CLASSES["classification"](LongformerConfig.tiny(), rngs=nnx.Rngs(0))
   model.eval()
   ids_2xN = np.random.default_rng(0).integers(10, 500, size=(2, 128)).astype(np.int32)
   ids_2xN[:, 0] = 0
@@ -244,8 +246,8 @@ def test_far_token_reaches_s_only_through_global_attention():
     batch = {"input_ids": ids_2xN, "attention_mask": np.ones_like(ids_2xN),
              "global_attention_mask": np.repeat(
                  (np.arange(128) < global_length)[None].astype(np.int32), 2, axis=0)}
-    logits_2xL = nnx.jit(lambda m, b, g=global_length: ft.task_logits(
-        m, "classification", b, g)["logits"])(model, batch)
+    logits_2xL = nnx.jit(lambda m, b, g=global_length: ft.KINDS["classification"].logits(
+        m, b, g)["logits"])(model, batch)
     assert bool(jnp.any(logits_2xL[0] != logits_2xL[1])) == differs
 
 
@@ -280,7 +282,7 @@ def test_long_range_label_is_learned_only_with_global_attention(tmp_path):
 
 def test_initial_params_load_the_encoder_and_start_a_new_head(tmp_path):
   from longformer_jax import checkpoint, modeling
-  config = ft.tiny_config(num_hidden_layers=1)
+  config = LongformerConfig.tiny(num_hidden_layers=1)
   checkpoint.save_model(tmp_path / "mlm",
                         modeling.LongformerForMaskedLM(config, rngs=nnx.Rngs(1)))
   source = ft.load_source(str(tmp_path / "mlm"))
@@ -344,22 +346,70 @@ def test_classification_and_tagging_metrics():
   assert set(ft.tagging_scores(gold, predicted, outside=None)) == {"accuracy"}
 
 
-def test_command_line_knows_every_task():
-  assert cli.TASKS == fd.TASKS == tuple(ft.MODEL_CLASSES)
+# ----------------------------------------------------------------------------------------------
+# The registry of kinds
+
+
+# One id record per kind, and what its prediction record says the gold answer is.
+_RECORDS = {
+    "classification": ({"input_ids": [4, 5, 6], "label": 1}, "label", 1),
+    "qa": ({"question": [5, 6], "input_ids": [7, 8, 9, 10], "answers": [{"start": 1, "end": 2}]},
+           "answers", [(8, 9)]),
+    "token": ({"input_ids": [4, 5, 6], "labels": ["O", "B-PER", "O"]}, "labels",
+              ["O", "B-PER", "O"]),
+    "multiple_choice": ({"question": [5], "candidates": [[40], [41], [42]],
+                         "input_ids": [7, 8, 40], "label": 2}, "label", 2),
+}
+
+
+def test_every_kind_reads_a_record_and_scores_it_through_its_head(tmp_path):
+  """The one registry: the command line's tasks, the heads and the kinds agree; each kind reads
+  a record, sizes its head, checks its labels, computes a finite loss and scores a prediction
+  record that gives the record's gold answer back, with the metrics it declares."""
+  assert cli.TASKS == tuple(ft.KINDS) == tuple(ft.MODEL_CLASSES) == tuple(_RECORDS)
+  config = LongformerConfig.tiny(num_hidden_layers=1, attention_impl="reference")
+  specials = SpecialIds.of_config(config)
+  for name, kind in ft.KINDS.items():
+    assert kind.name == name and ft.get_kind(name) is kind
+    assert ft.MODEL_CLASSES[name] is kind.model_class
+    with pytest.raises(ValueError, match="registered already"):
+      ft.register(type(kind))
+    record, field, gold = _RECORDS[name]
+    path = _write_jsonl(tmp_path / f"{name}.jsonl", [record])
+    split = fd.read_split(path, kind, None, max_length=16, specials=specials, vocab_size=512,
+                          label_names=kind.label_names([path], None))
+    assert split.task == name and len(split) == 1 and not split.by_text
+    size = kind.num_labels([split], ft.ModelSource(config, None, None, {}))
+    model_config = config.replace(num_labels=size)
+    kind.check_labels(split, model_config)
+    model = kind.model_class(model_config, rngs=nnx.Rngs(0))
+    model.eval()
+    mode = kind.resolve_global("default")
+    batch = kind.batch(split, [0], global_attention=mode, specials=specials)
+    assert np.isfinite(float(kind.loss(model, batch, split.max_global(mode))))
+    logits = kind.logits(model, batch, split.max_global(mode))
+    outputs = {k: np.asarray(x) for k, x in kind.outputs(logits, 30).items()}
+    metrics, records = ft.score(split, outputs)
+    assert set(metrics) == set(kind.metrics) | {"examples"} and metrics["examples"] == 1
+    assert list(records[0])[0] == "id" and records[0]["id"] == 1
+    assert (list(map(tuple, records[0][field])) if name == "qa" else records[0][field]) == gold
+  with pytest.raises(ValueError, match=r"task must be one of \('classification', 'qa'"):
+    ft.get_kind("summarization")
+  with pytest.raises(ValueError, match="needs a question: task 'token'"):
+    ft.KINDS["token"].resolve_global("question")
 
 
 def test_qa_targets_and_offsets_recover_the_answer(data):
-  split = fd.read_split(data["qa", "valid"], "qa", ft_tokenizer(data), max_length=48,
-                        specials=fd.Specials.of(ft.tiny_config()), vocab_size=512)
+  split = fd.read_split(data["qa", "valid"], ft.KINDS["qa"], ft_tokenizer(data), max_length=48,
+                        specials=SpecialIds.of_config(LongformerConfig.tiny()), vocab_size=512)
   for e in split.examples:
     assert ft.span_answer(e, *e.target) == e.gold[0]
     assert list(e.global_lengths("question")) == [1 + 3]  # <s> which number ?
   # A context cut before its answer leaves no training target (the record is not trained on).
-  short = fd.read_split(data["qa", "valid"], "qa", ft_tokenizer(data), max_length=10,
-                        specials=fd.Specials.of(ft.tiny_config()), vocab_size=512)
+  short = fd.read_split(data["qa", "valid"], ft.KINDS["qa"], ft_tokenizer(data), max_length=10,
+                        specials=SpecialIds.of_config(LongformerConfig.tiny()), vocab_size=512)
   assert any(e.target is None for e in short.examples)
 
 
 def ft_tokenizer(data):
-  from longformer_jax.data import text
-  return text.load_tokenizer(data["tokenizer"])
+  return load_tokenizer(data["tokenizer"])

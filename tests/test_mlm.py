@@ -22,6 +22,7 @@ from flax import nnx
 
 from longformer_jax import LongformerConfig, LongformerForMaskedLM
 from longformer_jax.data import text, tokenized
+from longformer_jax.data.tokenizer import special_ids
 from longformer_jax.training import Stage, TrainConfig, Trainer, learning_rate_schedule
 from longformer_jax.tasks import mlm
 from longformer_jax.training import sources
@@ -47,7 +48,7 @@ def _rows(rng, specials, vocab_size, shape):
 
 
 def test_masking_statistics_and_determinism(tokenizer):
-  specials = tokenized.special_ids(tokenizer)
+  specials = special_ids(tokenizer)
   vocab = tokenizer.get_vocab_size()
   ids = _rows(np.random.default_rng(seed_of("mask")), specials, vocab, (64, 512))
   keys = [(7, 0, 0, 3, r) for r in range(len(ids))]
@@ -79,7 +80,7 @@ def test_masking_statistics_and_determinism(tokenizer):
 
 
 def test_batches_do_not_depend_on_the_process_layout_and_resume(tokenizer):
-  specials = tokenized.special_ids(tokenizer)
+  specials = special_ids(tokenizer)
   stream = tokenized.encode_documents(tokenizer, tokenized.documents(TEXT * 40), specials.eos)
   stage = Stage(seq_len=32, batch_size=4, steps=10, learning_rate=1e-3)
   make = lambda p, n: mlm.MaskedBatches(stream, stage, seed=3, stage_index=0, specials=specials,
@@ -102,7 +103,7 @@ def test_documents_and_packing_lose_no_token(tokenizer):
       "The quick brown fox jumps over the lazy dog near the river bank.",
       "Longformer reads long documents with a sliding window of attention.",
       "Every line is a document; blank lines are dropped."]
-  specials = tokenized.special_ids(tokenizer)
+  specials = special_ids(tokenizer)
   stream = tokenized.encode_documents(tokenizer, tokenized.documents(TEXT), specials.eos)
   assert np.sum(stream == specials.eos) == 3 and stream[-1] == specials.eos
   assert tokenizer.decode(stream[stream != specials.eos].tolist()).startswith("The quick brown")
@@ -128,7 +129,7 @@ def test_roberta_vocab_and_merges_load_as_the_same_tokenizer(tokenizer, tmp_path
   loaded = text.load_tokenizer(tmp_path)
   assert loaded.encode(TEXT).ids == tokenizer.encode(TEXT).ids
   assert loaded.decode(loaded.encode(TEXT).ids) == TEXT
-  assert tokenized.special_ids(loaded) == tokenized.special_ids(tokenizer)
+  assert special_ids(loaded) == special_ids(tokenizer)
 
 
 def test_a_tfds_source_gives_the_same_documents(tmp_path):
@@ -160,7 +161,7 @@ def test_bits_per_character_on_a_hand_computed_example(tokenizer):
   """p("abc") = 1/2 and p("x") = 1/4 wherever they are masked: 1 bit over 3 bytes, 2 bits over
   1 byte."""
   tok = tokenized.train_bpe(["abc abc xabc abcabc"] * 50, vocab_size=270)
-  specials, vocab = tokenized.special_ids(tok), tok.get_vocab_size()
+  specials, vocab = special_ids(tok), tok.get_vocab_size()
   abc, x = tok.token_to_id("abc"), tok.token_to_id("x")
   bytes_per_token = tokenized.token_bytes(tok)
   assert (bytes_per_token[abc], bytes_per_token[x]) == (3, 1)
@@ -213,7 +214,7 @@ def test_steps_are_functions_of_the_step_so_a_resume_is_exact(tokenizer):
   """Masks (batches) and dropout are keyed by the step: continuing from a batch iterator's saved
   state and the state reached gives bit for bit the uninterrupted losses (the loop's checkpoint
   round trip is tests/test_training.py's)."""
-  specials = tokenized.special_ids(tokenizer)
+  specials = special_ids(tokenizer)
   stream = tokenized.encode_documents(tokenizer, tokenized.documents(TEXT * 40), specials.eos)
   cfg = _tiny_task_config(tokenizer)
   cfg = dataclasses.replace(cfg, model=cfg.model.replace(hidden_dropout_prob=0.1))

@@ -124,11 +124,13 @@ def split_overrides(assignments: list[str]) -> tuple[list[str], list[str]]:
 
 def _read_splits(args, cfg, tokenizer, options, label_names) -> dict[str, Any]:
   from longformer_jax.data import finetune_data as fd
+  from longformer_jax.data.tokenizer import SpecialIds
+  from longformer_jax.tasks.finetune import KINDS
   # --eval-only reads no training file.
   paths = {"train": None if args.eval_only else args.train, "validation": args.validation,
            "test": args.test}
-  return {name: fd.read_split(path, args.task, tokenizer, max_length=cfg.stages[0].seq_len,
-                              specials=fd.Specials.of(cfg.model),
+  return {name: fd.read_split(path, KINDS[args.task], tokenizer, max_length=cfg.stages[0].seq_len,
+                              specials=SpecialIds.of_config(cfg.model),
                               vocab_size=cfg.model.vocab_size,
                               max_question_length=options.max_question_length,
                               label_names=label_names)
@@ -139,13 +141,13 @@ def build(args: argparse.Namespace, workdir) -> Run:
   """The run the command line describes; ValueError, TypeError or FileNotFoundError naming what
   is wrong."""
   from longformer_jax import checkpoint
-  from longformer_jax.data import finetune_data as fd
   from longformer_jax.data import text
   from longformer_jax.training import Stage, TrainConfig, apply_overrides
   from longformer_jax.tasks import finetune
   from longformer_jax.training.config import config_from_record, read_run_record
-  from longformer_jax.tasks.seq2seq import check_tokenizer
+  from longformer_jax.data.tokenizer import check_tokenizer
   option_sets, config_sets = split_overrides(args.set)
+  kind = finetune.KINDS[args.task]
   tokenizer = None if args.tokenizer is None else text.load_tokenizer(args.tokenizer)
   if args.eval_only and checkpoint.checkpoint_steps(workdir / checkpoint.CHECKPOINTS):
     # The run's own settings; --set may still change the evaluation's (e.g. global_attention).
@@ -166,18 +168,17 @@ def build(args: argparse.Namespace, workdir) -> Run:
       check_tokenizer(tokenizer, cfg.model)
     splits = _read_splits(args, cfg, tokenizer, options, options.label_names)
     for split in splits.values():
-      finetune.check_labels(split, cfg.model)
-    return Run(cfg, options, fd.resolve_global(args.task, options.global_attention), splits,
+      kind.check_labels(split, cfg.model)
+    return Run(cfg, options, kind.resolve_global(options.global_attention), splits,
                from_workdir=True)
 
   if args.model is None:
     raise ValueError(f"{workdir} has no checkpoint to evaluate: give --model")
   options = apply_overrides(finetune.FinetuneOptions(), option_sets)
-  mode = fd.resolve_global(args.task, options.global_attention)
+  mode = kind.resolve_global(options.global_attention)
   source = finetune.load_source(args.model, tokenizer, options=options)
-  label_names = options.label_names
-  if args.task == "token" and label_names is None:
-    label_names = fd.tag_names([p for p in (args.train, args.validation, args.test) if p])[0]
+  label_names = kind.label_names([p for p in (args.train, args.validation, args.test) if p],
+                                 options.label_names)
   max_length = args.max_length or source.config.max_sequence_length
   cfg = TrainConfig(
       model=source.config, dataset="jsonl", seed=args.seed,
@@ -189,10 +190,10 @@ def build(args: argparse.Namespace, workdir) -> Run:
     check_tokenizer(tokenizer, cfg.model)
   splits = _read_splits(args, cfg, tokenizer, options, label_names)
   if not any(a.partition("=")[0].strip() == "model.num_labels" for a in config_sets):
-    size = finetune.num_labels(args.task, list(splits.values()), source)
+    size = kind.num_labels(list(splits.values()), source)
     cfg = dataclasses.replace(cfg, model=cfg.model.replace(num_labels=size))
   for split in splits.values():
-    finetune.check_labels(split, cfg.model)
+    kind.check_labels(split, cfg.model)
   if args.eval_only:
     if source.params is None:
       raise ValueError(f"nothing to evaluate: {workdir} has no checkpoint and --model "

@@ -15,8 +15,9 @@ only whitespace; a bool is not an int); fields outside the schema are ignored; f
 `unique` hold no value twice; the file holds at least one record. Any breach is a `JsonlError`
 naming the file, the line (1-based) and the field.
 
-The tokenizer is the `tokenizers` library's (the fast tokenizers of HF transformers use the same
-`tokenizer.json` files), read from local files (`load_tokenizer`): nothing is downloaded.
+The tokenizer is the `tokenizers` library's, read from local files (`load_tokenizer`, from
+`longformer_jax.data.tokenizer`, which holds the tokenizer helpers and special tokens): nothing is
+downloaded.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ from typing import Any
 
 import numpy as np
 
+# The entry points read tokenizers through this module; the helpers live in `data.tokenizer`.
+from longformer_jax.data.tokenizer import load_tokenizer, tokenizer_file
+
 __all__ = [
-    "ROBERTA_SPECIAL_TOKENS",
     "ExampleSampler",
     "JsonlError",
     "Record",
@@ -40,7 +43,6 @@ __all__ = [
     "load_tokenizer",
     "pad",
     "read_jsonl",
-    "token_id",
     "tokenizer_file",
 ]
 
@@ -161,65 +163,6 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Tokenizers
-
-
-# RoBERTa's special tokens in RoBERTa's id order (<s> 0, <pad> 1, </s> 2, <unk> 3); its <mask> is
-# the last id of its vocabulary (that of `data.tokenized.train_bpe` is 4).
-ROBERTA_SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
-
-
-def load_tokenizer(path: str | os.PathLike):
-  """A `tokenizers.Tokenizer` from local files (nothing is downloaded):
-
-    * a `tokenizer.json`, or a directory holding one (an HF model directory saved by a fast
-      tokenizer);
-    * a directory holding only RoBERTa's `vocab.json` + `merges.txt`: a byte-level BPE, built
-      as RoBERTa's tokenizer is (no prefix space, byte-level decoding, its special tokens
-      marked special, so that encoding text never splits them);
-    * a remote `tokenizer.json` (any etils path, e.g. a run's gs:// workdir).
-
-  Raises FileNotFoundError or ValueError naming the path.
-  """
-  import tokenizers
-
-  if "://" in str(path):
-    from etils import epath
-    return tokenizers.Tokenizer.from_str(epath.Path(path).read_text())
-  path = os.fspath(path)
-  vocab, merges = os.path.join(path, "vocab.json"), os.path.join(path, "merges.txt")
-  if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json"))
-          and os.path.isfile(vocab) and os.path.isfile(merges)):
-    from tokenizers import decoders, models, pre_tokenizers
-    tokenizer = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([t for t in ROBERTA_SPECIAL_TOKENS
-                                  if tokenizer.token_to_id(t) is not None])
-    return tokenizer
-  file = tokenizer_file(path)
-  if not os.path.isfile(file):
-    hint = (" (and no vocab.json + merges.txt of a byte-level BPE)"
-            if os.path.isdir(path) else "")
-    raise FileNotFoundError(f"{file}: no such tokenizer file{hint}")
-  try:
-    return tokenizers.Tokenizer.from_file(file)
-  except Exception as e:  # the Rust side raises a bare Exception on a malformed file
-    raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
-
-
-def tokenizer_file(path: str | os.PathLike) -> str:
-  """The tokenizer.json `path` names: itself, or the one inside it when it is a directory."""
-  path = os.fspath(path)
-  return os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-
-
-def token_id(tokenizer, token: str) -> int:
-  """The id of `token` in `tokenizer`'s vocabulary; ValueError naming it when it has none."""
-  index = tokenizer.token_to_id(token)
-  if index is None:
-    raise ValueError(f"the tokenizer has no token {token!r} "
-                     f"(vocabulary of {tokenizer.get_vocab_size():,})")
-  return index
 
 
 def encode(tokenizer, texts: Sequence[str], *, max_length: int) -> list[np.ndarray]:

@@ -1,13 +1,13 @@
 """Subword token ids for masked-LM pretraining: tokenizers, documents, packing and an id cache.
 
-    >>> from longformer_jax.data import text, tokenized
-    >>> tok = text.load_tokenizer("./roberta-base")                 # tokenizer.json, or
+    >>> from longformer_jax.data import tokenized, tokenizer
+    >>> tok = tokenizer.load_tokenizer("./roberta-base")            # tokenizer.json, or
     ...                                                             # vocab.json + merges.txt
     >>> ids = tokenized.token_ids("enwik8_sample", "validation", tok)  # cached .npy stream
-    >>> rows = tokenized.pack(ids, 4096, tokenized.special_ids(tok))   # [R, 4096] int32
+    >>> rows = tokenized.pack(ids, 4096, tokenizer.special_ids(tok))   # [R, 4096] int32
 
 Tokenizers are the HF `tokenizers` library's, read from local files only (no hub access,
-`data.text.load_tokenizer`): a `tokenizer.json`, or RoBERTa's `vocab.json` + `merges.txt`.
+`data.tokenizer.load_tokenizer`): a `tokenizer.json`, or RoBERTa's `vocab.json` + `merges.txt`.
 `train_bpe` makes a small byte-level BPE with RoBERTa's special tokens in seconds (the offline
 tokenizer of the CPU presets and the position-copy demo).
 
@@ -32,7 +32,6 @@ source's identity, so a changed file or tokenizer is never served stale ids.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib
 import io
@@ -42,13 +41,13 @@ from pathlib import Path
 
 import numpy as np
 
-from longformer_jax.data.text import ROBERTA_SPECIAL_TOKENS
+from longformer_jax.data.tokenizer import (ROBERTA_SPECIAL_TOKENS, SpecialIds, special_ids,
+                                           tokenizer_sha256)
 from longformer_jax.io import atomic_write
 
 __all__ = [
-    "ROBERTA_SPECIAL_TOKENS", "SpecialIds", "cache_dir", "documents", "encode_documents",
-    "is_byte_level", "pack", "special_ids", "text_of", "token_bytes", "token_ids",
-    "tokenizer_sha256", "train_bpe", "with_specials",
+    "cache_dir", "documents", "encode_documents", "is_byte_level", "pack", "text_of",
+    "token_bytes", "token_ids", "train_bpe", "with_specials",
 ]
 
 _CACHE_VERSION = "mlm-stream-v1"  # bump when `documents` / `encode_documents` change
@@ -69,37 +68,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int):
                                 initial_alphabet=alphabet, show_progress=False)
   tokenizer.train_from_iterator(texts, trainer)
   return tokenizer
-
-
-def tokenizer_sha256(tokenizer) -> str:
-  """SHA-256 of the tokenizer's JSON: what a run and the id cache are keyed by."""
-  return hashlib.sha256(tokenizer.to_str().encode()).hexdigest()
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecialIds:
-  """The ids MLM needs, and every special id (never masked, never a random replacement)."""
-  bos: int  # <s>, first token of every sequence
-  pad: int
-  eos: int  # </s>, after every document and last token of every sequence
-  mask: int
-  special: tuple[int, ...]
-
-
-def special_ids(tokenizer) -> SpecialIds:
-  """`<s>`, `<pad>`, `</s>`, `<mask>` of a RoBERTa-style tokenizer, and all its special ids."""
-  ids = {name: tokenizer.token_to_id(name) for name in ("<s>", "<pad>", "</s>", "<mask>")}
-  missing = [name for name, i in ids.items() if i is None]
-  if missing:
-    raise ValueError(f"the tokenizer has no {missing} token(s); MLM pretraining needs RoBERTa's "
-                     f"<s>, <pad>, </s> and <mask>")
-  special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
-  special |= set(ids.values())
-  unk = tokenizer.token_to_id("<unk>")
-  if unk is not None:
-    special.add(unk)
-  return SpecialIds(bos=ids["<s>"], pad=ids["<pad>"], eos=ids["</s>"], mask=ids["<mask>"],
-                    special=tuple(sorted(special)))
 
 
 def is_byte_level(tokenizer) -> bool:

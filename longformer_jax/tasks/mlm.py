@@ -43,8 +43,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from longformer_jax.config import LongformerConfig
-from longformer_jax.data import text, tokenized
-from longformer_jax.data.tokenized import SpecialIds
+from longformer_jax.data import tokenized
+from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer, special_ids, tokenizer_sha256
 from longformer_jax.modeling import LongformerForMaskedLM, masked_positions
 from longformer_jax.training import examples
 from longformer_jax.training.config import Stage, TrainConfig
@@ -271,7 +271,7 @@ class MLMTask(Task):
     if not 0.0 < rate < 1.0:
       raise ValueError(f"mask rate must be in (0, 1), got {rate!r}")
     self.tokenizer = tokenizer
-    self.specials = tokenized.special_ids(tokenizer)
+    self.specials = special_ids(tokenizer)
     self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     # Bits per character counts each target's bytes: byte-level BPE tokenizers only.
     self.bytes_per_token = (tokenized.token_bytes(tokenizer)
@@ -313,7 +313,7 @@ class MLMTask(Task):
     stream = np.ascontiguousarray(self.ids(cfg, "train"))
     return {"train_tokens": int(stream.size),
             "train_sha256": hashlib.sha256(stream.tobytes()).hexdigest(),
-            "tokenizer_sha256": tokenized.tokenizer_sha256(self.tokenizer),
+            "tokenizer_sha256": tokenizer_sha256(self.tokenizer),
             "mask_rate": self.rate, "init": self.init_identity}
 
   def build_model(self, config: LongformerConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
@@ -379,7 +379,7 @@ def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
       workdir, step=step,
       shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
   run = config_from_record(meta["run"], f"step {step} meta")  # the stages may have grown
-  tokenizer = text.load_tokenizer(workdir / TOKENIZER_FILE)
+  tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
   task = MLMTask(tokenizer, rate=meta["run"]["data"]["mask_rate"])
   result = task.score(model, task.ids(run, split), seq_len=run.stages[-1].seq_len,
                       seed=run.seed, max_tokens=max_tokens, batch_size=batch_size, mesh=mesh,

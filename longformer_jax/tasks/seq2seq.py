@@ -38,6 +38,9 @@ from jax.sharding import Mesh
 from longformer_jax import led
 from longformer_jax.config import LEDConfig
 from longformer_jax.data import text
+from longformer_jax.data.tokenizer import token_id
+# `train.seq2seq` checks its tokenizer as `seq2seq.check_tokenizer`.
+from longformer_jax.data.tokenizer import check_tokenizer as check_tokenizer
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training import examples
 from longformer_jax.training.sharding import LOGICAL_RULES
@@ -89,7 +92,7 @@ class GlobalAttention:
     if spec.startswith("token:") and len(spec) > len("token:"):
       if tokenizer is None:
         raise ValueError(f"global attention {spec!r} needs the tokenizer to find the token")
-      return cls("token", text.token_id(tokenizer, spec[len("token:"):]))
+      return cls("token", token_id(tokenizer, spec[len("token:"):]))
     raise ValueError(f"global attention must be 'first', 'none' or 'token:TOKEN', got {spec!r}")
 
   def mask(self, ids_BxN: np.ndarray, mask_BxN: np.ndarray) -> np.ndarray:
@@ -400,10 +403,10 @@ def load_source(spec: str, tokenizer=None, *, bart_positions: int = 16384,
   if spec in PRESETS and not os.path.exists(spec):
     if tokenizer is None:
       raise ValueError(f"the preset {spec!r} takes its vocabulary from a tokenizer; give one")
-    eos = text.token_id(tokenizer, "</s>")
+    eos = token_id(tokenizer, "</s>")
     config = getattr(LEDConfig, spec)(
-        vocab_size=tokenizer.get_vocab_size(), pad_token_id=text.token_id(tokenizer, "<pad>"),
-        bos_token_id=text.token_id(tokenizer, "<s>"), eos_token_id=eos,
+        vocab_size=tokenizer.get_vocab_size(), pad_token_id=token_id(tokenizer, "<pad>"),
+        bos_token_id=token_id(tokenizer, "<s>"), eos_token_id=eos,
         decoder_start_token_id=eos)
     return ModelSource(config, None, {"kind": "preset", "preset": spec})
   if not os.path.isdir(spec):
@@ -425,20 +428,6 @@ def load_source(spec: str, tokenizer=None, *, bart_positions: int = 16384,
   params = host_params(model)
   return ModelSource(model.config, params,
                      {"kind": kind, "params_sha256": params_fingerprint(params)})
-
-
-def check_tokenizer(tokenizer, config: LEDConfig) -> None:
-  """ValueError when `tokenizer` cannot be the model's: more tokens than the embedding table,
-  or `<pad>` / `</s>` at other ids than the config's pad and EOS ids."""
-  size = tokenizer.get_vocab_size()
-  if size > config.vocab_size:
-    raise ValueError(f"the tokenizer has {size:,} tokens, the model's vocabulary "
-                     f"{config.vocab_size:,}: it is not this model's tokenizer")
-  for token, field in (("<pad>", "pad_token_id"), ("</s>", "eos_token_id")):
-    index = tokenizer.token_to_id(token)
-    if index is not None and index != getattr(config, field):
-      raise ValueError(f"the tokenizer's {token} is id {index}, the model's {field} is "
-                       f"{getattr(config, field)}: it is not this model's tokenizer")
 
 
 # ----------------------------------------------------------------------------------------------
