@@ -25,9 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study as study_lib  # experiments/study.py
 
 DATASET = "text8_sample"
-ArgumentError = study_lib.ArgumentError
-cli = study_lib.cli
-summarize = study_lib.summarize
 # A difference between two arms counts only when their mean ± sd bars do not overlap.
 RULE = ("a difference counts only when |mean_a - mean_b| > sd_a + sd_b (the mean ± sd bars over "
         "seeds do not overlap; sd with ddof=1)")
@@ -262,7 +259,8 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
   finally:
     pbar.close()
 
-  summary = {name: {**summarize(args.seeds, [r["bpc"] for r in rs]), **describe_arm(arms[name]),
+  summary = {name: {**study_lib.summarize(args.seeds, [r["bpc"] for r in rs]),
+                    **describe_arm(arms[name]),
                     "train_seconds": [round(r["train_seconds"], 1) for r in rs]}
              for name, rs in results.items()}
   every = max(size.steps // 50, 1)

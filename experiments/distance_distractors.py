@@ -75,7 +75,6 @@ from distance_task import (ARMS, FULL_BAND, FULL_IMPL, check_cell, eval_sets, ev
                            train_arm, vocab_of)
 
 STUDY = "distance_distractors"
-ArgumentError = study_lib.ArgumentError
 
 PRESETS = {
     "cpu": dict(seq_len=128, window=8, layers=2, hidden=64, heads=4, intermediate=256,
@@ -331,7 +330,7 @@ def plot(study: dict, path: Path) -> None:
 
 
 def parse_args(argv):
-  """The arguments and the size preset (a dict). Raises ArgumentError (a ValueError) on
+  """The arguments and the size preset (a dict). Raises study.ArgumentError (a ValueError) on
   anything bad."""
   parser = study_lib.make_parser(
       __doc__, STUDY, device_help="size preset: cpu (default, 2 cores) or gpu (bigger)",
@@ -343,14 +342,14 @@ def parse_args(argv):
   parser.add_argument("--no-cost", action="store_true", help="skip the memory/time panels")
   args = study_lib.parse_args(parser, argv)
   if not set(args.arms) <= set(ARMS) or len(set(args.arms)) != len(args.arms):
-    raise ArgumentError(f"--arms must be distinct names among {ARMS}, got {args.arms}")
+    raise study_lib.ArgumentError(f"--arms must be distinct names among {ARMS}, got {args.arms}")
   args.arms = [a for a in ARMS if a in args.arms]  # a fixed order: local first
   p = dict(PRESETS[args.size_name])
   if args.steps is not None:
     p["steps"] = args.steps
   p["train_max_distance"] = args.train_max_distance or p["seq_len"] - 1
   if args.train_max_distance is not None and not 1 <= args.train_max_distance < p["seq_len"]:
-    raise ArgumentError(f"--train-max-distance must be in [1, {p['seq_len'] - 1}], got "
+    raise study_lib.ArgumentError(f"--train-max-distance must be in [1, {p['seq_len'] - 1}], got "
                         f"{args.train_max_distance}")
   for d in p["distances"]:
     for k in p["distractors"]:

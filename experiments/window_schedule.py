@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import charlm_study
+import study  # experiments/study.py
 
 STUDY = "window_schedule"
 # Paper Table 4 (top), text8 dev BPC after 150K steps of phase 1.
@@ -74,4 +75,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(charlm_study.cli(main))
+  sys.exit(study.cli(main))
