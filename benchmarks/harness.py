@@ -1,7 +1,7 @@
 """What the scripts in benchmarks/ and experiments/ share: their common arguments (--out, --device,
 --tiny, --budget-s), pinning the platform before JAX starts, the persistent compilation cache,
-the stamp of a result (platform, device, jax, date, commit), and writing a result as JSON, a
-markdown table and a PNG through `longformer_jax.io` (atomically: a kill never leaves half a file).
+the stamp of a result (platform, device, jax, date, commit), and writing a result as JSON,
+markdown and a PNG through `longformer_jax.io` (atomically: a kill never leaves half a file).
 
 It lives beside the scripts, not in the package: importing anything from `longformer_jax` imports
 JAX, and a script must pin the platform (`pin_platform`, after parsing its command line) before
@@ -21,7 +21,7 @@ import platform
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BENCH_RESULTS = REPO / "benchmarks" / "results"
@@ -184,24 +184,6 @@ def write_png(path: str | os.PathLike, fig, *, dpi: int = 110) -> pathlib.Path:
   path.parent.mkdir(parents=True, exist_ok=True)
   save_figure(fig, path, dpi=dpi)
   return path
-
-
-def cell(value, spec: str = ".4g") -> str:
-  """A markdown table cell: numbers formatted with `spec`, None empty, no pipes or newlines."""
-  if value is None:
-    return ""
-  if isinstance(value, float):
-    value = format(value, spec)
-  return str(value).replace("|", "/").replace("\n", " ")
-
-
-def markdown_table(rows: Iterable[dict], columns: Sequence[str], *, spec: str = ".4g",
-                   headers: Sequence[str] | None = None) -> str:
-  """A markdown table of `rows` (dicts) with one column per key in `columns` (a missing key is
-  an empty cell); `headers` renames the columns."""
-  lines = ["| " + " | ".join(headers or columns) + " |", "|" + " --- |" * len(columns)]
-  lines += ["| " + " | ".join(cell(r.get(c), spec) for c in columns) + " |" for r in rows]
-  return "\n".join(lines)
 
 
 def print_written(*paths: str | os.PathLike, file=None) -> None:
