@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -33,6 +31,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # benchmarks/harness.py
 from longformer_jax import ops
 
 
@@ -236,7 +236,7 @@ def main(argv=None):
   parser.add_argument("--dense-budget-gb", type=float, default=None,
                       help="skip dense rows whose n x n arrays exceed this (default: 1/3 of RAM "
                            "on CPU, 1/2 of device memory elsewhere)")
-  parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+  harness.common_arguments(parser, out=harness.default_out())
   args = parser.parse_args(argv)
 
   backend = jax.default_backend()
@@ -250,7 +250,7 @@ def main(argv=None):
   else:
     budget = 0.5 * (jax.devices()[0].memory_stats() or {}).get("bytes_limit", 16 * 2**30)
   tolerance = 2e-2 if dtype == jnp.bfloat16 else 2e-4
-  today = datetime.date.today().isoformat()
+  today = harness.today()
   print(f"device={device} backend={backend} dtype={dtype_name} jax={jax.__version__} "
         f"date={today}")
 
@@ -307,13 +307,8 @@ def main(argv=None):
         tflops_fwdbwd=round(shape.flops_fwdbwd() / (row["ms_fwdbwd"] * 1e-3) / 1e12, 4),
         peak_bytes=row.get("peak_bytes")))
 
-  out_dir = pathlib.Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
   slug = device.replace(" ", "_").replace("/", "_")
-  path = out_dir / f"attention_{slug}_{today}.json"
-  tmp = path.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(records, indent=1))
-  os.replace(tmp, path)  # atomic: never a half-written result file
+  path = harness.write_json(pathlib.Path(args.out) / f"attention_{slug}_{today}.json", records)
   png = plot(records, path.with_suffix(".png"))
   print(f"\nwrote {path} and {png}\n")
   print(markdown_table(records))
@@ -347,11 +342,7 @@ def plot(records, path: pathlib.Path) -> pathlib.Path:
     ax.grid(True, which="both", alpha=0.3)
   ax_t.legend(fontsize=7)
   fig.tight_layout()
-  tmp = path.with_suffix(".tmp.png")
-  fig.savefig(tmp, dpi=110)
-  plt.close(fig)
-  os.replace(tmp, path)
-  return path
+  return harness.write_png(path, fig, dpi=110)
 
 
 def markdown_table(records) -> str:

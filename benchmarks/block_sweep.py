@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
-import os
 import pathlib
 import sys
 import time
@@ -41,8 +38,8 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # benchmarks/harness.py
 from attention import Shape, median_ms
-from longformer_jax.io import atomic_write
 from longformer_jax.ops import band_pallas
 from longformer_jax.ops.band_pallas import BlockSizes
 
@@ -219,10 +216,9 @@ def main(argv=None):
   parser.add_argument("--dtype", default=None, choices=sorted(TOLERANCE),
                       help="default: bfloat16 on a GPU, float32 on CPU")
   parser.add_argument("--reps", type=int, default=10)
-  parser.add_argument("--budget-s", type=float, default=120.0)
-  parser.add_argument("--tiny", action="store_true",
-                      help="seq 128, 2 heads, head_dim 16, window 16, blocks 16/32 (CPU smoke)")
-  parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+  harness.common_arguments(
+      parser, out=harness.default_out(), budget_s=120.0,
+      tiny_help="seq 128, 2 heads, head_dim 16, window 16, blocks 16/32 (CPU smoke)")
   args = parser.parse_args(argv)
   dtype = args.dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16")
   shape = (Shape(seq=128, batch=1, heads=2, head_dim=16, window=16, causal=args.causal)
@@ -236,11 +232,9 @@ def main(argv=None):
         f"{args.budget_s:.0f} s", flush=True)
   result = sweep(shape, dtype, budget_s=args.budget_s, reps=1 if args.tiny else args.reps,
                  tiny=args.tiny)
-  out_dir = pathlib.Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
   slug = result["device"].replace(" ", "_").replace("/", "_")
-  path = out_dir / f"block_sweep_{slug}_{datetime.date.today().isoformat()}.json"
-  atomic_write(path, json.dumps(result, indent=1) + "\n")
+  path = harness.write_json(pathlib.Path(args.out) / f"block_sweep_{slug}_{harness.today()}.json",
+                            result)
   print(table(result))
   print(f"\ndefault {result['default_ms_fwdbwd']} ms, best {result['best_ms_fwdbwd']} ms "
         f"(x{result['speedup']}){'' if result['complete'] else ' (sweep cut by the budget)'}")

@@ -5,13 +5,18 @@
 
 Query i attends keys i-w..i. The cuDNN call is `jax.nn.dot_product_attention(q, k, v,
 is_causal=True, local_window_size=(w, 0), implementation="cudnn")` (--no-is-causal: without
-is_causal, as benchmarks/attention.py called it in the 2026-11-30 H200 run). bf16 inputs; the
+is_causal, the other call form). bf16 inputs; the
 reference works in float32 on the same bf16 values, one query block against its key slab at a time.
 """
 import argparse
+import pathlib
+import sys
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # benchmarks/harness.py
 
 
 def blockwise_reference(q, k, v, left, right=0, block=512):
@@ -51,6 +56,8 @@ def main():
   parser.add_argument("--window", type=int, default=256)
   parser.add_argument("--no-is-causal", dest="is_causal", action="store_false")
   parser.add_argument("--implementation", default="cudnn", choices=["cudnn", "xla"])
+  harness.common_arguments(parser, out=None,
+                           out_help="also write cudnn_window_repro.json (stamped) to this folder")
   args = parser.parse_args()
   q, k, v = (jax.random.normal(jax.random.key(i), (args.batch, args.seq, args.heads, 64),
                                jnp.bfloat16) for i in range(3))
@@ -63,6 +70,12 @@ def main():
         f"window={args.window} is_causal={args.is_causal}: "
         f"max |{args.implementation} - reference| = "
         f"{float(row_err.max()):.4g}; first row off by > 5e-2: {int(bad)} (-1: none)")
+  if args.out:
+    path = harness.write_json(pathlib.Path(args.out) / "cudnn_window_repro.json", dict(
+        harness.stamp(), seq=args.seq, batch=args.batch, heads=args.heads, window=args.window,
+        is_causal=args.is_causal, implementation=args.implementation,
+        max_abs_diff=float(row_err.max()), first_bad_row=int(bad)))
+    harness.print_written(path)
 
 
 if __name__ == "__main__":

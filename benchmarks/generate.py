@@ -39,7 +39,6 @@ table beside it.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -51,6 +50,8 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import harness  # benchmarks/harness.py
 
 EOS_BIAS = -1.0e4
 PEERS = ("hf_transformers", "longformer_jax", "longformer_jax_bf16")
@@ -208,7 +209,7 @@ def agreement(ours: list, theirs: list) -> tuple[bool, float, str]:
 
 
 def records_from(peer: str, result: dict, args, hf: dict | None) -> list[dict]:
-  today = datetime.date.today().isoformat()
+  today = harness.today()
   records = []
   for row in result["rows"]:
     new_tokens = len(row["sequences"][0]) - 1
@@ -263,7 +264,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--bf16", action="store_true", help="add our bf16-compute row")
   parser.add_argument("--no-hf", action="store_true", help="leave out HF (no agreement check)")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+  harness.common_arguments(parser, out=harness.default_out())
   parser.add_argument("--peer", choices=ROLES, help=argparse.SUPPRESS)  # internal: one role
   parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
   parser.add_argument("--result", help=argparse.SUPPRESS)
@@ -277,7 +278,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_peer(args) -> None:
-  from longformer_jax.io import atomic_write
   if args.peer == "checkpoint":
     write_checkpoint(args, args.checkpoint)
     return
@@ -285,7 +285,7 @@ def run_peer(args) -> None:
     result = run_hf(args, args.checkpoint)
   else:
     result = run_jax(args, args.checkpoint, bf16=args.peer == "longformer_jax_bf16")
-  atomic_write(args.result, json.dumps(result))
+  harness.write_json(args.result, result, indent=None)
 
 
 def main(argv=None) -> int:
@@ -293,7 +293,6 @@ def main(argv=None) -> int:
   if args.peer:
     run_peer(args)
     return 0
-  from longformer_jax.io import atomic_write
   peers = ([] if args.no_hf else ["hf_transformers"]) + ["longformer_jax"] + (
       ["longformer_jax_bf16"] if args.bf16 else [])
   config = make_config(args)
@@ -323,14 +322,11 @@ def main(argv=None) -> int:
       print(f"MISMATCH (float32, num_beams={rec['num_beams']}): {rec['first_difference']}")
   table = markdown_table(records)
   print(table)
-  out_dir = pathlib.Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
   device = records[-1]["device"].replace(" ", "_").replace("/", "_")
   model = "small" if args.small else "led-base"
-  path = out_dir / (f"generate_{device}_{model}_{args.input_len}_"
-                    f"{datetime.date.today().isoformat()}.json")
-  atomic_write(path, json.dumps(records, indent=1) + "\n")
-  atomic_write(path.with_suffix(".md"), table + "\n")
+  path = harness.write_json(pathlib.Path(args.out) / (
+      f"generate_{device}_{model}_{args.input_len}_{harness.today()}.json"), records)
+  harness.write_text(path.with_suffix(".md"), table)
   print(f"wrote {path} and {path.with_suffix('.md')}")
   return 0 if ok else 1
 

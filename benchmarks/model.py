@@ -64,7 +64,6 @@ torch/transformers are optional: without them the HF row is left out (a note say
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -86,9 +85,9 @@ from flax import nnx
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # benchmarks/harness.py
 from attention import Shape
 from longformer_jax import LongformerConfig, LongformerForMaskedLM, convert
-from longformer_jax.io import atomic_write
 from longformer_jax.modeling import masked_positions
 
 MASK_FRACTION = 0.15
@@ -495,7 +494,7 @@ def make_record(row: str, args, seq: int, batch: int, ms: float, peak, dtype_nam
   flops_per_s = flops["total_flops"] / (ms * 1e-3)
   full = row == "full_attention"
   return dict(
-      device=device, date=datetime.date.today().isoformat(), impl=impl_name(row, args.impl),
+      device=device, date=harness.today(), impl=impl_name(row, args.impl),
       row=row, seq=seq, batch=batch, dtype=dtype_name, ms_step=round(ms, 3),
       tokens_per_s=round(seq * batch / (ms * 1e-3), 1),
       peak_bytes=None if peak is None else int(peak),
@@ -571,7 +570,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--trace", default=None, metavar="DIR",
                       help="profile a few steps of the first of our rows into DIR and print "
                            "its top ops")
-  parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+  harness.common_arguments(parser, out=harness.default_out())
   args = parser.parse_args(argv)
   args.seq = args.seq or (256 if args.small else 4096)
   args.batch = args.batch or (2 if args.small else 8)
@@ -594,7 +593,7 @@ def main(argv=None):
   dtype_name = "bfloat16" if args.bf16 else "float32"
   config = make_config(args, max(seq for seq, _ in args.shapes))
   device = jax.devices()[0].device_kind
-  today = datetime.date.today().isoformat()
+  today = harness.today()
   print(f"device={device} backend={backend} jax={jax.__version__} dtype={dtype_name} "
         f"shapes={' '.join(f'{s}x{b}' for s, b in args.shapes)} "
         f"layers={config.num_hidden_layers} hidden={config.hidden_size} "
@@ -614,8 +613,8 @@ def main(argv=None):
           f"ms/step  {rec['tokens_per_s']:12,.0f} tokens/s  {rec['model_tflops_per_s']:8.2f} "
           f"model TFLOP/s{mfu}", flush=True)
     # Rewritten after every row: a crash later leaves what was measured.
-    atomic_write(path, json.dumps(records, indent=1) + "\n")
-    atomic_write(path.with_suffix(".md"), markdown_table(records) + "\n")
+    harness.write_json(path, records)
+    harness.write_text(path.with_suffix(".md"), markdown_table(records))
 
   failed = False
   torch = import_torch()[0] if "hf_transformers" in args.rows else None

@@ -1,6 +1,6 @@
 """One prepared GPU check of the Pallas band kernel: correctness first, then timings.
 
-On an H200 (jax 0.11.2 there), from the repository root, in under ~8 minutes:
+On a GPU, from the repository root:
 
   python benchmarks/pallas_gpu_check.py            # writes pallas_gpu_check.json to $OUT or
                                                    # benchmarks/results/
@@ -25,9 +25,7 @@ steps at toy sizes in interpret mode (and XLA instead of cuDNN) to prove the scr
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -39,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # benchmarks/harness.py
 from longformer_jax.ops.band_pallas import BlockSizes, band_attention_pallas
 from longformer_jax.ops.band_reference import band_attention_reference
 
@@ -141,7 +141,7 @@ def dpa_fns(window, implementation):
 def timing_row(impl, mode, fns, args, shape, window, iters):
   batch, seq, heads, head_dim = shape
   q, k, v, mask = inputs(2, batch, seq, heads, head_dim, args.dtype, holes=False)
-  row = dict(device=jax.devices()[0].device_kind, date=datetime.date.today().isoformat(),
+  row = dict(device=jax.devices()[0].device_kind, date=harness.today(),
              impl=impl, mode=mode, seq=seq, batch=batch, heads=heads, head_dim=head_dim,
              window=window, dilation=1, globals=0)
   try:
@@ -160,7 +160,7 @@ def timing_row(impl, mode, fns, args, shape, window, iters):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+  harness.common_arguments(parser, out=harness.default_out())
   parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
   parser.add_argument("--small", action="store_true", help="toy sizes (CPU smoke run)")
   parser.add_argument("--window", type=int, default=256)
@@ -207,10 +207,8 @@ def main():
     result["block_sweep"] = sweep
 
   result["seconds"] = time.time() - started
-  out_dir = pathlib.Path(args.out)
-  out_dir.mkdir(parents=True, exist_ok=True)
-  path = out_dir / ("pallas_gpu_check_small.json" if args.small else "pallas_gpu_check.json")
-  path.write_text(json.dumps(result, indent=1, default=str))
+  path = harness.write_json(pathlib.Path(args.out) / ("pallas_gpu_check_small.json" if args.small
+                                                      else "pallas_gpu_check.json"), result)
   print(f"wrote {path} in {result['seconds']:.0f} s; correctness ok: "
         f"{all(r['ok'] for r in result['correctness'])}")
 

@@ -39,9 +39,7 @@ markdown table beside it (`.md`), with jax/libtpu versions and the command.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
-import json
 import os
 import pathlib
 import sys
@@ -60,6 +58,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import harness  # benchmarks/harness.py
 
 GIB = 1 << 30
 # Nominal HBM per device of the compile-only topology (v4's devices are its cores).
@@ -310,7 +310,7 @@ def main(argv=None):
   parser.add_argument("--stages", default="",
                       help="char_small/char_large stages to compile, 1-based, e.g. 1,5 "
                            "(default all 5; each takes minutes)")
-  parser.add_argument("--out", default=None, help="directory for the JSON and markdown")
+  harness.common_arguments(parser, out=None, out_help="directory for the JSON and markdown")
   args = parser.parse_args(argv)
   global STAGES
   STAGES = tuple(int(x) for x in args.stages.split(",") if x)
@@ -325,7 +325,7 @@ def main(argv=None):
   for row in rows:
     if row not in BUILDERS:
       parser.error(f"unknown row {row!r}; rows: {', '.join(ALL_ROWS)}")
-  date = datetime.date.today().isoformat()
+  date = harness.today()
   command = " ".join(sys.argv[1:] if argv is None else argv)
   title = (f"# TPU memory per device, compiled ahead of time ({date})\n\n"
            f"Command: `python benchmarks/tpu_aot.py {command}`"
@@ -339,15 +339,14 @@ def main(argv=None):
       records.extend(measure(slice_name, row, args.quick))
   if args.out:
     out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = dict(date=date, jax=jax.__version__, jaxlib=importlib.metadata.version("jaxlib"),
                 libtpu=libtpu, command=f"python benchmarks/tpu_aot.py {command}")
     # One file per date and set of rows, so runs of different rows do not overwrite each other.
     suffix = "_quick" if args.quick else "" if args.rows is None else "_" + "-".join(rows)
     stem = out / f"tpu_aot_{date}{suffix}"
-    stem.with_suffix(".json").write_text(json.dumps(dict(**meta, rows=records), indent=1))
-    stem.with_suffix(".md").write_text(
-        title + "\n" + HEADER + "\n" + "\n".join(_row_line(r) for r in records) + "\n")
+    harness.write_json(stem.with_suffix(".json"), dict(**meta, rows=records))
+    harness.write_text(stem.with_suffix(".md"),
+                       title + "\n" + HEADER + "\n" + "\n".join(_row_line(r) for r in records))
     print(f"\nwrote {stem}.json and .md")
   return records
 

@@ -1,7 +1,8 @@
 """What experiments/window_schedule.py and experiments/dilation.py share: char-LM arms on the
 bundled text8_sample, each trained for every seed with the library's `Trainer` (`CharLMTask`, one
 `Stage`) and scored with `tasks.charlm.evaluate_bpc` on the validation split; mean and sd over
-seeds, the paper's claims checked against the spread, the JSON, the PNG, the command line.
+seeds, the paper's claims checked against the spread, the JSON, the PNG. The command line, the
+per-seed summaries and the writing are experiments/study.py's.
 
 Only the standard library and numpy are imported at the top: JAX (through `longformer_jax`) is
 imported after the command line has chosen the platform (`--device`).
@@ -13,20 +14,17 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
-from common import compilation_cache  # experiments/common.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import study as study_lib  # experiments/study.py
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "experiments" / "results"
 DATASET = "text8_sample"
-DEVICES = ("cpu", "gpu")
 # A difference between two arms counts only when their mean ± sd bars do not overlap.
 RULE = ("a difference counts only when |mean_a - mean_b| > sd_a + sd_b (the mean ± sd bars over "
         "seeds do not overlap; sd with ddof=1)")
@@ -56,79 +54,33 @@ SIZES = {
     "tiny": Size(layers=2, hidden=32, heads=4, seq_len=64, batch=2, steps=2, learning_rate=3e-3,
                  first_window=4, last_window=12, dilations=(2,), eval_bytes=512, eval_batch=8,
                  attention_impl="reference"),
-    # 2 shared CPU cores, 1.5-2 minutes a run. Chosen before any arm was compared, from single
-    # runs of the increasing windows only (seed 0, 4 layers, load 5-7): for a fixed time one
-    # sequence per step and a narrow model learn fastest. Dev BPC and training seconds: hidden
-    # 64, batch 1 x 512, 2,000 steps, lr 5e-3: 2.47 in 100 s; batch 2, 1,000 steps, lr 4e-3:
-    # 2.49 in 146 s (lr 8e-3: 2.52); hidden 128, batch 2, 600 steps: 2.64 in 166 s; hidden 64,
-    # batch 8, 300 steps: 2.84 in 178 s.
+    # 2 CPU cores. Chosen before any arm was compared, from single runs of the increasing
+    # windows only: for a fixed time one sequence per step and a narrow model learn fastest.
     "cpu": Size(layers=4, hidden=64, heads=4, seq_len=512, batch=1, steps=2500,
                 learning_rate=5e-3, first_window=16, last_window=128, dilations=(2, 3),
                 eval_bytes=65_536),
-    # A GPU session (not run yet): the paper's window range 32 -> 512 over 6 layers, 2,048 bytes.
+    # A GPU session: the paper's window range 32 -> 512 over 6 layers, 2,048 bytes.
     "gpu": Size(layers=6, hidden=256, heads=8, seq_len=2048, batch=16, steps=3000,
                 learning_rate=2e-3, first_window=32, last_window=512, dilations=(2, 3, 4),
                 eval_bytes=None, dtype="bfloat16"),
 }
 
 
-class ArgumentError(ValueError):
-  """A bad command line (raised by `parse_args`, so `main(argv)` raises ValueError)."""
-
-
-class _Parser(argparse.ArgumentParser):
-  def error(self, message):
-    raise ArgumentError(message)
-
-
 def make_parser(doc: str, study: str) -> argparse.ArgumentParser:
-  parser = _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                      help="one run per seed and arm (at least 2; default 0 1 2)")
-  parser.add_argument("--steps", type=int, default=None,
-                      help="training steps of every run (default: the size preset's)")
-  parser.add_argument("--device", default="cpu",
-                      help=f"one of {DEVICES}: picks the size preset (cpu: 2 cores; gpu: "
-                           f"bigger); cpu also pins JAX to the CPU")
-  parser.add_argument("--tiny", action="store_true",
-                      help="a toy size for tests (a few steps; overrides --device's preset)")
-  parser.add_argument("--out", default=str(RESULTS / f"{study}.json"),
-                      help="results JSON; the PNG goes beside it")
-  parser.add_argument("--replot", action="store_true",
-                      help="no training: recompute the comparisons, verdict and PNG from the "
-                           "per-seed values in the JSON at --out")
-  return parser
+  return study_lib.make_parser(
+      doc, study, device_help="one of ('cpu', 'gpu'): picks the size preset (cpu: 2 cores; gpu: "
+                              "bigger); cpu also pins JAX to the CPU",
+      replot_help="no training: recompute the comparisons, verdict and PNG from the per-seed "
+                  "values in the JSON at --out")
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
-  """The checked arguments, with `args.size` (a `Size`) and `args.size_name`. Raises ValueError
-  on anything bad. Pins JAX to the CPU for --device cpu (before JAX is imported here)."""
-  args = parser.parse_args(argv)
-  if args.device not in DEVICES:
-    raise ArgumentError(f"--device must be one of {DEVICES}, got {args.device!r}")
-  if len(args.seeds) < 2:
-    raise ArgumentError(f"--seeds needs at least 2 seeds for a spread, got {args.seeds}")
-  if len(set(args.seeds)) != len(args.seeds):
-    raise ArgumentError(f"--seeds has a repeated seed: {args.seeds}")
-  if min(args.seeds) < 0:
-    raise ArgumentError(f"--seeds must be >= 0, got {args.seeds}")
-  if args.steps is not None and args.steps < 1:
-    raise ArgumentError(f"--steps must be >= 1, got {args.steps}")
-  args.size_name = "tiny" if args.tiny else args.device
+  """The checked arguments (`study.parse_args`), with `args.size` (a `Size`) and
+  `args.size_name`. Raises ValueError on anything bad."""
+  args = study_lib.parse_args(parser, argv)
   size = SIZES[args.size_name]
   args.size = size if args.steps is None else dataclasses.replace(size, steps=args.steps)
-  if args.device == "cpu":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   return args
-
-
-def cli(main: Callable[[Sequence[str] | None], int]) -> int:
-  """Runs `main`; a bad command line is one `error:` line and status 2 (argparse's)."""
-  try:
-    return main(None)
-  except ArgumentError as e:
-    print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
-    return 2
 
 
 # ----------------------------------------------------------------------------------------------
@@ -202,11 +154,6 @@ def train_and_score(cfg, size: Size, seed: int, data: dict, pbar, label: str) ->
 
 # ----------------------------------------------------------------------------------------------
 # Summaries and the verdict
-
-
-def summarize(seeds: Sequence[int], values: Sequence[float]) -> dict:
-  return {"seeds": list(seeds), "values": [float(v) for v in values],
-          "mean": float(np.mean(values)), "std": float(np.std(values, ddof=1))}
 
 
 def compare(arms: dict, paper: dict, claims: Sequence[tuple[str, str]]) -> list[dict]:
@@ -291,11 +238,10 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
   import jax
   from tqdm import tqdm
   from longformer_jax.data import load_split
-  if args.device == "gpu" and jax.default_backend() != "gpu":
-    raise ArgumentError(f"--device gpu, but JAX's backend is {jax.default_backend()!r}")
+  study_lib.check_backend(args.device)
   size = args.size
   start = time.perf_counter()
-  compilation_cache("charlm_study_xla_")
+  study_lib.compilation_cache("charlm_study")
   data = {split: load_split(DATASET, split) for split in ("train", "validation")}
   data["eval"] = (data["validation"] if size.eval_bytes is None
                   else data["validation"][:size.eval_bytes + 1])
@@ -313,7 +259,8 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
   finally:
     pbar.close()
 
-  summary = {name: {**summarize(args.seeds, [r["bpc"] for r in rs]), **describe_arm(arms[name]),
+  summary = {name: {**study_lib.summarize(args.seeds, [r["bpc"] for r in rs]),
+                    **describe_arm(arms[name]),
                     "train_seconds": [round(r["train_seconds"], 1) for r in rs]}
              for name, rs in results.items()}
   every = max(size.steps // 50, 1)
@@ -344,10 +291,7 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
 
 def write(study: dict, path: Path) -> None:
   """<path> (JSON) and its PNG; prints the table."""
-  from longformer_jax.io import atomic_write
-  path.parent.mkdir(parents=True, exist_ok=True)
-  atomic_write(path, json.dumps(study, indent=2) + "\n")
-  plot(study, path.with_suffix(".png"))
+  study_lib.write(study, path, plot)
   print(table(study))
   print(f"wrote {path} and {path.with_suffix('.png')} ({study['seconds'] / 60:.1f} minutes "
         f"to run)")
@@ -382,7 +326,6 @@ def plot(study: dict, path: Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  from longformer_jax.io import save_figure
   arms, curves = study["arms"], study["curves"]
   colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
   fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4),
@@ -419,7 +362,7 @@ def plot(study: dict, path: Path) -> None:
                f"{setup['hidden']}, {setup['steps']} steps of {setup['batch']} x "
                f"{setup['seq_len']} bytes, {len(setup['seeds'])} seeds", fontsize=11)
   fig.tight_layout()
-  save_figure(fig, path, dpi=110)
+  study_lib.harness.write_png(path, fig, dpi=110)
 
 
 def replot(args: argparse.Namespace, claims: Sequence[tuple[str, str]]) -> int:

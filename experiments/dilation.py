@@ -18,10 +18,9 @@ initialisation and the batches, the same in both arms (so `no_dilation` repeats
 window_schedule's `increasing` run for run).
 
 Sizes (`--device`): cpu (default): 4 layers x 64 (4 heads), windows 16, 53, 91, 128, context
-512, 2,500 steps of 1 x 512 bytes, 1.5-2 minutes a run on 2 shared cores: the 6 runs (2 arms x
-3 seeds) took 13 minutes under `nice -n 19` next to other jobs; gpu: 6 layers x 256 (8 heads),
+512, 2,500 steps of 1 x 512 bytes; gpu: 6 layers x 256 (8 heads),
 windows 32 -> 512 over 2,048 bytes, dilations 2, 3, 4 on the top 3 layers, 3,000 steps of 16
-sequences (not run yet); --tiny: seconds, for the tests.
+sequences; --tiny: seconds, for the tests.
 
     python experiments/dilation.py                       # cpu size, seeds 0 1 2
     python experiments/dilation.py --device gpu --seeds 0 1 2 3 4
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import charlm_study
+import study  # experiments/study.py
 
 STUDY = "dilation"
 # Paper Table 4 (bottom), text8 dev BPC after 150K steps of phase 1.
@@ -81,4 +81,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(charlm_study.cli(main))
+  sys.exit(study.cli(main))

@@ -24,15 +24,12 @@ short model's initialisation, its batches and masks, the random position table a
 training's batches.
 
 Sizes. The effect needs a short model that relies on word order, and a tiny post-LN RoBERTa
-learns to slowly: measured here (and with HF's RobertaForMaskedLM on the same batches, which
-follows the same loss curve), 128 learned positions gave a bag-of-words model after 1,000 steps
-(copied = random). Fewer positions and more, smaller steps are what help: with 16 positions,
-1,600 steps of 32 rows make shuffling the positions cost 0.50 nats per masked token, against 0.15
-for 400 steps of 128 rows (the same tokens). So the default is a 16-token RoBERTa made 128 tokens
-long: the paper's 8x (512 -> 4,096), with its window of half the original length per side.
+learns to slowly: with many learned positions and few steps it stays a bag-of-words model
+(copied = random). Fewer positions and more, smaller steps help, so the default is a 16-token
+RoBERTa made 128 tokens long: the paper's 8x (512 -> 4,096), with its window of half the original
+length per side.
 
-    python experiments/position_copy.py                  # 3 seeds: 10 minutes on 2 cores shared
-                                                         # with other jobs (load ~8)
+    python experiments/position_copy.py                  # 3 seeds
     python experiments/position_copy.py --seeds 0 1 2 3 4
     python experiments/position_copy.py --device gpu     # 4x the lengths, 4 layers, hidden 256
 
@@ -60,10 +57,9 @@ from flax import nnx
 from longformer_jax import LongformerConfig, convert
 from longformer_jax.data import tokenized
 from longformer_jax.data.tokenizer import special_ids
-from longformer_jax.io import atomic_write, save_figure
 from longformer_jax.training import Stage, TrainConfig, Trainer
 from longformer_jax.tasks.mlm import MLMTask
-from common import compilation_cache  # experiments/common.py
+import study as study_lib  # experiments/study.py
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DATASET = "enwik8_sample"
@@ -143,8 +139,7 @@ def with_random_positions(model, seed: int):
 
 def summarize(seeds, results: list[dict]) -> dict:
   values = [r["bpc"] for r in results]
-  return {"seeds": list(seeds), "values": values, "mean": float(np.mean(values)),
-          "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+  return {**study_lib.summarize(seeds, values),
           "min": float(np.min(values)), "max": float(np.max(values)),
           "bits_per_token": [r["bits_per_token"] for r in results],
           "loss": [r["loss"] for r in results]}
@@ -180,12 +175,12 @@ def plot(study: dict, path: Path) -> None:
                f"mean ± sd)",
                fontsize=11)
   fig.tight_layout()
-  save_figure(fig, path, dpi=120)
+  study_lib.harness.write_png(path, fig, dpi=120)
 
 
 # Sizes per device (`--device`); any of them can still be set by its own flag. The GPU size is
 # 4x longer everywhere (a 64-token RoBERTa made 512 long, 8x as in the paper), 4 layers, hidden
-# 256, and trains 4x as many steps: minutes on an H200, never run on this project's CPUs.
+# 256, and trains 4x as many steps.
 DEVICE_SIZES = {
     "cpu": {},
     "gpu": dict(vocab=2048, hidden=256, layers=4, heads=4, short_len=64, short_steps=6400,
@@ -240,7 +235,8 @@ def main(argv=None) -> int:
   parser.add_argument("--long-lr", type=float, default=5e-4)
   parser.add_argument("--eval-tokens", type=int, default=32_768,
                       help="held-out tokens scored (the validation split's first)")
-  parser.add_argument("--out", default=str(RESULTS / "position_copy.json"))
+  study_lib.harness.common_arguments(parser, out=str(RESULTS / "position_copy.json"),
+                                     out_help="results JSON; the PNG goes beside it")
   parser.add_argument("--replot", action="store_true",
                       help="only redraw the PNG from the JSON at --out")
   device, _ = parser.parse_known_args(argv)
@@ -259,13 +255,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     study = json.loads(out.read_text())
     study.update(paper=PAPER, verdict=verdict(study))  # derived from the stored values
-    atomic_write(out, json.dumps(study, indent=2) + "\n")
-    plot(study, out.with_suffix(".png"))
+    study_lib.write(study, out, plot)
     print(study["verdict"])
     return 0
   window = args.window or args.short_len // 2
   start = time.perf_counter()
-  compilation_cache("position_copy_xla_")  # every arm and seed compiles the same programs
+  study_lib.compilation_cache("position_copy")  # every arm and seed compiles the same programs
   log = lambda text: print(f"[{time.perf_counter() - start:6.0f}s] {text}", flush=True)
 
   log(f"training a {args.vocab}-id byte-level BPE on {DATASET} (train split)")
@@ -353,10 +348,7 @@ def main(argv=None) -> int:
       "paper": PAPER,
   }
   study["verdict"] = verdict(study)
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  atomic_write(out, json.dumps(study, indent=2) + "\n")
-  plot(study, out.with_suffix(".png"))
+  out = study_lib.write(study, args.out, plot)
   log(f"wrote {out} and {out.with_suffix('.png')}")
   for name, s in arms.items():
     print(f"{name:>14}: {s['mean']:.3f} ± {s['std']:.3f} bpc "

@@ -16,10 +16,9 @@ evenly (any remainder on the top layers). No dilation. Every run uses the librar
 the seed sets the initialisation and the batches, the same in every arm.
 
 Sizes (`--device`): cpu (default): 4 layers x 64 (4 heads), windows 16, 53, 91, 128 against
-72 x 4 and 128 ... 16, context 512, 2,500 steps of 1 x 512 bytes (1.3M bytes), 1.5-2 minutes a
-run on 2 shared cores: the 9 runs (3 arms x 3 seeds) took 16.5 minutes under `nice -n 19` next
-to other jobs (load 5-7); gpu: 6 layers x 256 (8 heads), windows 32 -> 512 over 2,048 bytes,
-3,000 steps of 16 sequences (not run yet); --tiny: seconds, for the tests.
+72 x 4 and 128 ... 16, context 512, 2,500 steps of 1 x 512 bytes (1.3M bytes); gpu: 6 layers x
+256 (8 heads), windows 32 -> 512 over 2,048 bytes, 3,000 steps of 16 sequences; --tiny: seconds,
+for the tests.
 
     python experiments/window_schedule.py                       # cpu size, seeds 0 1 2
     python experiments/window_schedule.py --device gpu --seeds 0 1 2 3 4
@@ -39,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import charlm_study
+import study  # experiments/study.py
 
 STUDY = "window_schedule"
 # Paper Table 4 (top), text8 dev BPC after 150K steps of phase 1.
@@ -75,4 +75,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(charlm_study.cli(main))
+  sys.exit(study.cli(main))

@@ -16,6 +16,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
 import distance_distractors as dd
+import distance_task as dt
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +71,17 @@ def test_receptive_field_arithmetic(tiny):
   assert study["regions"] == {"one_hop": [1, 4], "two_hops": [6, 8],
                               "beyond_field": [16, 31]}
   # The function itself: per-layer windows and the widest dilation of each layer.
-  config = dd.model_config(p, "local", 64).replace(attention_window=(3, 5),
+  config = dt.model_config(p, "local", 64).replace(attention_window=(3, 5),
                                                    attention_dilation=((1, 2), (3, 1)))
-  assert dd.receptive_field(config) == 3 * 2 + 5 * 3
-  assert dd.model_config(p, "full", 64).attention_window == 64
+  assert dt.receptive_field(config) == 3 * 2 + 5 * 3
+  assert dt.model_config(p, "full", 64).attention_window == 64
 
 
 @pytest.mark.parametrize("seq_len,distance,k", [(32, 1, 0), (32, 31, 3), (64, 10, 20),
                                                 (128, 127, 31), (128, 5, 16)])
 def test_rows_put_the_evidence_at_the_distance(seq_len, distance, k):
-  vocab = dd.Vocab(keys=32, values=8, fillers=16)
-  rows = dd.make_rows(np.random.default_rng(seq_len + distance + k), 50, seq_len, distance, k,
+  vocab = dt.Vocab(keys=32, values=8, fillers=16)
+  rows = dt.make_rows(np.random.default_rng(seq_len + distance + k), 50, seq_len, distance, k,
                       vocab)
   ids, types, labels = rows["input_ids"], rows["token_type_ids"], rows["labels"]
   assert ids.shape == types.shape == (50, seq_len) and labels.shape == (50,)
@@ -103,25 +104,25 @@ def test_rows_put_the_evidence_at_the_distance(seq_len, distance, k):
 def test_nearest_pair_accuracy_matches_generated_rows():
   """The exact nearest-pair probability against rows drawn by the generator (which also checks
   that distractors are spread uniformly over the other positions)."""
-  vocab = dd.Vocab(keys=16, values=4, fillers=8)
+  vocab = dt.Vocab(keys=16, values=4, fillers=8)
   seq_len, distance, k, n = 40, 6, 5, 2000
-  rows = dd.make_rows(np.random.default_rng(7), n, seq_len, distance, k, vocab)
+  rows = dt.make_rows(np.random.default_rng(7), n, seq_len, distance, k, vocab)
   before_query = rows["token_type_ids"][:, :-1]
   nearest = seq_len - 2 - np.argmax(before_query[:, ::-1] > 0, axis=1)
   is_evidence = nearest == seq_len - 1 - distance
   answer = before_query[np.arange(n), nearest] - 1
   p = math.comb(seq_len - 2 - (distance - 1), k) / math.comb(seq_len - 2, k)
   assert abs(is_evidence.mean() - p) < 4 * np.sqrt(p * (1 - p) / n)
-  expected = dd.nearest_pair_accuracy(seq_len, distance, k, vocab.values)
+  expected = dt.nearest_pair_accuracy(seq_len, distance, k, vocab.values)
   assert expected == pytest.approx(p + (1 - p) / 4)
   assert abs((answer == rows["labels"]).mean() - expected) < 4 * np.sqrt(0.25 / n)
-  assert dd.nearest_pair_accuracy(seq_len, 1, k, 4) == 1.0
-  assert dd.nearest_pair_accuracy(seq_len, 30, 0, 4) == 1.0
+  assert dt.nearest_pair_accuracy(seq_len, 1, k, 4) == 1.0
+  assert dt.nearest_pair_accuracy(seq_len, 30, 0, 4) == 1.0
 
 
 def test_training_mix_and_bad_cells():
-  vocab = dd.Vocab(keys=8, values=4, fillers=8)
-  batches = dd.RetrievalBatches(3, 64, 32, 5, vocab)
+  vocab = dt.Vocab(keys=8, values=4, fillers=8)
+  batches = dt.RetrievalBatches(3, 64, 32, 5, vocab)
   first = next(batches)
   assert batches.state() == {"step": 1}
   batches.load_state({"step": 0})
@@ -130,7 +131,7 @@ def test_training_mix_and_bad_cells():
   assert counts.min() >= 1 and counts.max() <= 6
   for distance, k in ((0, 1), (32, 1), (5, 8), (5, -1)):
     with pytest.raises(ValueError):
-      dd.check_cell(32, distance, k, vocab)
+      dt.check_cell(32, distance, k, vocab)
 
 
 @pytest.mark.parametrize("argv", [["--seeds", "0"], ["--seeds", "0", "0"], ["--steps", "0"],

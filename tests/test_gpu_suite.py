@@ -22,7 +22,8 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-import gpu_suite
+from suite import common
+from suite.cudnn_window import bisect_divergence, cudnn_verdict
 
 SECTIONS = ("correctness", "attention", "model", "cudnn_window", "peers", "block_sweep")
 
@@ -135,15 +136,15 @@ def test_budget_skips_are_recorded(tmp_path):
 
 def test_compare_outputs_flags_a_perturbed_output():
   expected = np.random.default_rng(0).standard_normal((2, 50, 3, 8)).astype(np.float32)
-  assert gpu_suite.compare_outputs(expected, expected + 1e-6, 2e-4)["ok"]
+  assert common.compare_outputs(expected, expected + 1e-6, 2e-4)["ok"]
   perturbed = expected.copy()
   perturbed[1, 7, 2, 3] += 0.5
-  check = gpu_suite.compare_outputs(expected, perturbed, 2e-4)
+  check = common.compare_outputs(expected, perturbed, 2e-4)
   assert not check["ok"] and check["max_abs_diff"] == pytest.approx(0.5, rel=1e-5)
   nan = expected.copy()
   nan[0, 0, 0, 0] = np.nan
-  assert not gpu_suite.compare_outputs(expected, nan, 2e-4)["ok"]
-  assert not gpu_suite.compare_outputs(expected, expected[:, :10], 2e-4)["ok"]
+  assert not common.compare_outputs(expected, nan, 2e-4)["ok"]
+  assert not common.compare_outputs(expected, expected[:, :10], 2e-4)["ok"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -151,12 +152,11 @@ def test_jax_and_torch_generate_the_same_inputs(dtype):
   torch = pytest.importorskip("torch")
   import jax.numpy as jnp
   shape = (2, 300, 3, 16)
-  x = gpu_suite.hashed_jax(shape, 5, jnp.dtype(dtype))
-  t = gpu_suite.hashed_torch(shape, 5, getattr(torch, dtype), "cpu")
+  x = common.hashed_jax(shape, 5, jnp.dtype(dtype))
+  t = common.hashed_torch(shape, 5, getattr(torch, dtype), "cpu")
   np.testing.assert_array_equal(np.asarray(x, np.float32), t.float().numpy())
-  assert gpu_suite.digest_jax(x) == gpu_suite.digest_torch(t)
-  assert gpu_suite.digest_jax(x) != gpu_suite.digest_jax(gpu_suite.hashed_jax(shape, 6,
-                                                                               jnp.dtype(dtype)))
+  assert common.digest_jax(x) == common.digest_torch(t)
+  assert common.digest_jax(x) != common.digest_jax(common.hashed_jax(shape, 6, jnp.dtype(dtype)))
   values = np.asarray(x, np.float32)
   assert -2.0 <= values.min() and values.max() <= 2.0 and 1.0 < values.std() < 1.3  # bf16 rounds up
 
@@ -168,24 +168,24 @@ def test_bisect_divergence_finds_the_first_bad_length():
     calls.append(n)
     return n * n < 2**31  # an int32 overflow of n * n: first bad at n = 46341
 
-  first, probed = gpu_suite.bisect_divergence(probe, 32768, 65536, 1)
+  first, probed = bisect_divergence(probe, 32768, 65536, 1)
   assert first == 46341 and len(calls) == len(probed) <= 16
-  first, _ = gpu_suite.bisect_divergence(probe, 32768, 65536, 128)
+  first, _ = bisect_divergence(probe, 32768, 65536, 128)
   assert first == 46464  # the smallest multiple of 128 at or past it
   with pytest.raises(ValueError, match="good < bad"):
-    gpu_suite.bisect_divergence(probe, 100, 100, 1)
+    bisect_divergence(probe, 100, 100, 1)
 
 
 def test_cudnn_verdict():
   ours = "ours: causal band [i-w, i]"
   form = "is_causal=True"
   long_bad = {form: dict(seq=65536, max_abs_diff=2.89, agrees=False)}
-  fault = gpu_suite.cudnn_verdict(long_bad, {form: [ours]}, {form: dict(
+  fault = cudnn_verdict(long_bad, {form: [ours]}, {form: dict(
       first_bad_seq=46464, first_bad_row=46300, granularity=128)}, 256)
   assert "cuDNN FAULT" in fault and "int32 overflow" in fault and "46464" in fault
-  semantic = gpu_suite.cudnn_verdict(long_bad, {form: ["one key more: [i-w-1, i]"]}, {}, 256)
+  semantic = cudnn_verdict(long_bad, {form: ["one key more: [i-w-1, i]"]}, {}, 256)
   assert "SEMANTIC" in semantic
-  fine = gpu_suite.cudnn_verdict({form: dict(seq=65536, max_abs_diff=0.01, agrees=True)},
+  fine = cudnn_verdict({form: dict(seq=65536, max_abs_diff=0.01, agrees=True)},
                                  {form: [ours]}, {}, 256)
   assert "agrees with our causal band" in fine
 

@@ -1,0 +1,190 @@
+"""What the scripts in benchmarks/ and experiments/ share: their common arguments (--out, --device,
+--tiny, --budget-s), pinning the platform before JAX starts, the persistent compilation cache,
+the stamp of a result (platform, device, jax, date, commit), and writing a result as JSON,
+markdown and a PNG through `longformer_jax.io` (atomically: a kill never leaves half a file).
+
+It lives beside the scripts, not in the package: importing anything from `longformer_jax` imports
+JAX, and a script must pin the platform (`pin_platform`, after parsing its command line) before
+JAX is imported; the suite's torch child processes never import JAX at all. Only the standard
+library is imported at the top. benchmarks/ scripts find it beside them; experiments/ scripts put
+benchmarks/ on sys.path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+BENCH_RESULTS = REPO / "benchmarks" / "results"
+DEVICES = ("cpu", "gpu")
+
+_CACHES: list[tempfile.TemporaryDirectory] = []
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+
+def default_out() -> str:
+  """Where a benchmark writes when --out is not given: $OUT (a device session's output folder),
+  else benchmarks/results."""
+  return os.environ.get("OUT") or str(BENCH_RESULTS)
+
+
+def common_arguments(parser: argparse.ArgumentParser, *, out: str | None,
+                     out_help: str = "output directory", device: bool = False,
+                     device_help: str | None = None, tiny_help: str | None = None,
+                     budget_s: float | None | bool = False, budget_help: str | None = None
+                     ) -> argparse.ArgumentParser:
+  """Adds the arguments every script spells the same way: --out (default `out`), and where
+  asked, --device (cpu or gpu, default cpu), --tiny (help `tiny_help`) and --budget-s (default
+  `budget_s`; False leaves it out). Returns the parser."""
+  parser.add_argument("--out", default=out, help=out_help)
+  if device:
+    parser.add_argument("--device", default="cpu",
+                        help=device_help or f"one of {DEVICES}: picks the size preset; cpu also "
+                                            "pins JAX to the CPU")
+  if tiny_help is not None:
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)
+  if budget_s is not False:
+    parser.add_argument("--budget-s", type=float, default=budget_s,
+                        help=budget_help or "wall-clock budget in seconds")
+  return parser
+
+
+def check_device(device: str) -> str:
+  """`device` if it is one of DEVICES; raises ValueError naming it otherwise."""
+  if device not in DEVICES:
+    raise ValueError(f"--device must be one of {DEVICES}, got {device!r}")
+  return device
+
+
+def check_seeds(seeds: Sequence[int]) -> list[int]:
+  """At least 2 distinct seeds >= 0 (a spread needs two); raises ValueError otherwise."""
+  if len(seeds) < 2:
+    raise ValueError(f"--seeds needs at least 2 seeds for a spread, got {list(seeds)}")
+  if len(set(seeds)) != len(seeds):
+    raise ValueError(f"--seeds has a repeated seed: {list(seeds)}")
+  if min(seeds) < 0:
+    raise ValueError(f"--seeds must be >= 0, got {list(seeds)}")
+  return list(seeds)
+
+
+def pin_platform(device: str) -> None:
+  """For device "cpu", JAX runs on the CPU (unless the caller chose a platform): call it before
+  JAX is imported. Any other device leaves JAX's choice alone."""
+  if device == "cpu":
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def check_backend(device: str) -> None:
+  """Raises ValueError when --device gpu was asked for but JAX has no GPU backend."""
+  import jax
+  if device == "gpu" and jax.default_backend() != "gpu":
+    raise ValueError(f"--device gpu, but JAX's backend is {jax.default_backend()!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The compilation cache
+
+
+def compilation_cache(prefix: str = "bench_xla_") -> None:
+  """XLA's persistent compilation cache in a temporary directory that lives as long as the
+  process, so that repeated programs (every seed of an arm, every repetition of a row) compile
+  once. A cache the process already has is kept: JAX reads the setting once per process, so a
+  second directory would never be read, and deleting the first would break its writes."""
+  import jax
+  if jax.config.jax_compilation_cache_dir:
+    return
+  _CACHES.append(tempfile.TemporaryDirectory(prefix=prefix))
+  jax.config.update("jax_compilation_cache_dir", _CACHES[-1].name)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# The stamp of a result
+
+
+def today() -> str:
+  """The date a result carries (ISO, local time)."""
+  return datetime.date.today().isoformat()
+
+
+def commit() -> str | None:
+  """The repository's HEAD commit (short), or None outside a git checkout."""
+  try:
+    result = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, text=True,
+                            capture_output=True, timeout=10, check=False)
+  except (OSError, subprocess.SubprocessError):
+    return None
+  return (result.stdout.strip() or None) if result.returncode == 0 else None
+
+
+def stamp() -> dict:
+  """Where and when a result was measured: platform (JAX's backend), device kind, jax version,
+  date, commit, python. Imports JAX."""
+  import jax
+  return dict(platform=jax.default_backend(), device=jax.devices()[0].device_kind,
+              jax=jax.__version__, date=today(), commit=commit(),
+              python=platform.python_version())
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing results
+
+
+def json_default(x):
+  """JSON for what json cannot write: arrays as lists, dataclasses as dicts, else str."""
+  if hasattr(x, "tolist"):
+    return x.tolist()
+  import dataclasses
+  if dataclasses.is_dataclass(x):
+    return dataclasses.asdict(x)
+  return str(x)
+
+
+def to_json(obj, *, indent: int | None = 1) -> str:
+  """`obj` as JSON text ending in a newline; arrays become lists, dataclasses dicts, anything
+  else its str."""
+  return json.dumps(obj, indent=indent, default=json_default) + "\n"
+
+
+def write_json(path: str | os.PathLike, obj, *, indent: int | None = 1) -> pathlib.Path:
+  """Writes `to_json(obj)` to `path` atomically (its folder created). Returns the path."""
+  from longformer_jax.io import atomic_write
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  atomic_write(path, to_json(obj, indent=indent))
+  return path
+
+
+def write_text(path: str | os.PathLike, text: str) -> pathlib.Path:
+  """Writes `text` (a newline added if missing) to `path` atomically. Returns the path."""
+  from longformer_jax.io import atomic_write
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  atomic_write(path, text if text.endswith("\n") else text + "\n")
+  return path
+
+
+def write_png(path: str | os.PathLike, fig, *, dpi: int = 110) -> pathlib.Path:
+  """Writes a matplotlib figure as a PNG atomically and closes it. Returns the path."""
+  from longformer_jax.io import save_figure
+  path = pathlib.Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  save_figure(fig, path, dpi=dpi)
+  return path
+
+
+def print_written(*paths: str | os.PathLike, file=None) -> None:
+  print("wrote " + ", ".join(str(p) for p in paths), file=file or sys.stdout, flush=True)
