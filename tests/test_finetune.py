@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.tasks import finetune as ft
-from train import finetune as cli
+from longformer_jax.cli.train import finetune as cli
 
 pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
 

@@ -35,13 +35,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from longformer_jax import checkpoint
 from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 from longformer_jax.config import CharLMConfig
 from longformer_jax.training.config import Stage, TrainConfig, config_from_record, read_run_config
 from longformer_jax.training.sharding import (
-    batch_axes, make_mesh, param_shardings, row_group, seq_axis)
-from longformer_jax.training.task import Batches, Task, dict_batches
+    batch_axes, make_mesh, row_group, seq_axis)
+from longformer_jax.training.task import Batches, FinalEvaluation, Task, dict_batches, restore
 
 PROTOCOLS = ("sliding", "chunks")
 
@@ -195,12 +194,8 @@ def restore_run(workdir, *, step: int | None = None, mesh: jax.sharding.Mesh | N
   state), built for and sharded over `mesh` (default: all devices on the data axis) by the run's
   logical rules; windows: the final stage's, from the settings saved with that checkpoint."""
   cfg = read_run_config(workdir)
-  mesh = _default_mesh(mesh)
-  model, step, meta = checkpoint.restore_model_and_meta(
-      lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
-                                    seq_axis=seq_axis(mesh)),
-      workdir, step=step,
-      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
+  model, step, meta = restore(LongformerForCausalLM, cfg, workdir, _default_mesh(mesh),
+                              step=step)
   # The stages may have grown since the run started (an extended run): the checkpoint's own
   # settings say which windows its last stage trains with.
   windows = config_from_record(meta["run"], f"step {step} meta").stage_windows(-1)
@@ -248,9 +243,15 @@ class CharLMTask(Task):
   plot_ylabel = "bits per character"
 
   def __init__(self, train_data: np.ndarray | None = None,
-               valid_data: np.ndarray | None = None):
+               valid_data: np.ndarray | None = None, *, data_file: str | None = None):
     self._train_data = None if train_data is None else np.asarray(train_data)
     self._valid_data = None if valid_data is None else np.asarray(valid_data)
+    self.data_file = data_file
+
+  @classmethod
+  def of_file(cls, path: str) -> CharLMTask:
+    """Training, validation and the final evaluation on a file's bytes (`split_of_file`)."""
+    return cls(split_of_file(path, "train"), split_of_file(path, "validation"), data_file=path)
 
   def check(self, cfg: TrainConfig) -> None:
     if not isinstance(cfg.model, CharLMConfig):
@@ -305,6 +306,34 @@ class CharLMTask(Task):
 
   def train_metrics(self, loss: float) -> dict[str, float]:
     return {"train_bpc": loss / math.log(2)}
+
+
+  def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
+                       progress: bool = False) -> FinalEvaluation:
+    """`evaluate_run` of the run's newest checkpoint on `cfg.final_eval["split"]` (default
+    "test") of the dataset (or of the data file), with the rest of `cfg.final_eval`."""
+    if cfg.final_eval is None:
+      return FinalEvaluation({})
+    eval_args = dict(cfg.final_eval)
+    split = eval_args.pop("split", "test")
+    if self.data_file is not None:
+      source, data = self.data_file, split_of_file(self.data_file, split)
+    else:
+      source, data = cfg.dataset, _load(cfg, split)
+    result = evaluate_run(workdir, data, mesh=mesh, progress=progress, **eval_args)
+    return FinalEvaluation({f"{split}_bpc": result["bpc"],
+                            "eval": {"dataset": source, "split": split, **result}},
+                           lines=(f"{source} {split}: {describe(result)}",))
+
+
+def split_of_file(path: str, split: str) -> np.ndarray:
+  """`split` ("train", "validation", "test") of a file's bytes: the first 90%, the next 5%, the
+  rest, as the corpora are split."""
+  from etils import epath
+  from longformer_jax.data.corpora import split_bounds
+  data = np.frombuffer(epath.Path(path).read_bytes(), np.uint8)
+  start, stop = split_bounds(len(data))[split]
+  return data[start:stop].copy()
 
 
 def _load(cfg: TrainConfig, split: str) -> np.ndarray:

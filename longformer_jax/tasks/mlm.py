@@ -50,7 +50,8 @@ from longformer_jax.training import examples
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.sources import open_model_dir
-from longformer_jax.training.task import Batches, Task
+from longformer_jax.training import presets
+from longformer_jax.training.task import Batches, FinalEvaluation, Task
 
 MASK_RATE = 0.15           # RoBERTa's (and BERT's) share of tokens predicted
 MASK_REPLACE = (0.8, 0.1)  # of those: <mask>, a random token; the rest (0.1) stay unchanged
@@ -359,6 +360,21 @@ class MLMTask(Task):
   def train_metrics(self, loss: float) -> dict[str, float]:
     return {"train_bits_per_token": loss / math.log(2)}
 
+  def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
+                       progress: bool = False) -> FinalEvaluation:
+    """`evaluate_mlm_run` of the run's newest checkpoint with `cfg.final_eval`'s settings."""
+    if cfg.final_eval is None:
+      return FinalEvaluation({})
+    result = evaluate_mlm_run(workdir, mesh=mesh, progress=progress, **cfg.final_eval)
+    return FinalEvaluation({"eval": result}, lines=(f"{cfg.dataset} {describe(result)}",))
+
+
+def describe(result: dict[str, Any]) -> str:
+  """One line for an `evaluate_mlm_run` result."""
+  bpc = f", {result['bpc']:.4f} bpc" if "bpc" in result else ""
+  return (f"{result['split']}: loss {result['loss']:.4f}, {result['bits_per_token']:.4f} bits "
+          f"per masked token{bpc}")
+
 
 def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
                      mesh: Mesh | None = None, max_tokens: int | None = None,
@@ -367,17 +383,13 @@ def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
   verifies) on a split of its dataset, with the run's tokenizer (<workdir>/tokenizer.json), seed,
   masking rate and the last stage's sequence length. Reads the parameters only."""
   from etils import epath
-  from longformer_jax import checkpoint
   from longformer_jax.training.config import config_from_record, read_run_config
-  from longformer_jax.training.sharding import make_mesh, param_shardings, seq_axis
+  from longformer_jax.training.sharding import make_mesh
+  from longformer_jax.training.task import restore
   workdir = epath.Path(workdir)
   cfg = read_run_config(workdir)
   mesh = make_mesh((-1, 1)) if mesh is None else mesh
-  model, step, meta = checkpoint.restore_model_and_meta(
-      lambda: LongformerForMaskedLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
-                                    seq_axis=seq_axis(mesh)),
-      workdir, step=step,
-      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
+  model, step, meta = restore(LongformerForMaskedLM, cfg, workdir, mesh, step=step)
   run = config_from_record(meta["run"], f"step {step} meta")  # the stages may have grown
   tokenizer = text.load_tokenizer(workdir / TOKENIZER_FILE)
   task = MLMTask(tokenizer, rate=meta["run"]["data"]["mask_rate"])
@@ -475,17 +487,16 @@ def mlm_tiny() -> TrainConfig:
       final_eval=dict(split="test", max_tokens=65_536, batch_size=8))
 
 
-PRESETS = {"mlm_paper": mlm_paper, "mlm_paper_large": functools.partial(mlm_paper, large=True),
-           "mlm_tiny": mlm_tiny}
+presets.register("mlm", "mlm_paper", mlm_paper)
+presets.register("mlm", "mlm_paper_large", functools.partial(mlm_paper, large=True))
+presets.register("mlm", "mlm_tiny", mlm_tiny)
 # Presets that continue a pretrained model (their learning rate is a fine-tuning one).
 NEEDS_INIT = ("mlm_paper", "mlm_paper_large")
 
 
 def preset(name: str) -> TrainConfig:
-  """The TrainConfig of a named preset (`PRESETS`)."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
-  return PRESETS[name]()
+  """The TrainConfig of a named MLM preset (`training.presets`)."""
+  return presets.get("mlm", name)
 
 
 def keep_compute_settings(pretrained: LongformerConfig, preset_model: LongformerConfig
@@ -497,7 +508,7 @@ def keep_compute_settings(pretrained: LongformerConfig, preset_model: Longformer
 
 
 __all__ = [
-    "MASK_RATE", "MLMTask", "MaskedBatches", "NEEDS_INIT", "PRESETS", "TOKENIZER_FILE",
+    "MASK_RATE", "MLMTask", "MaskedBatches", "NEEDS_INIT", "TOKENIZER_FILE",
     "check_params_fit", "evaluate_mlm",
     "evaluate_mlm_run", "keep_compute_settings", "load_pretrained", "mask_tokens",
     "masked_lm_nll", "max_predictions", "mlm_paper", "mlm_tiny", "preset",

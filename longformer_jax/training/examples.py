@@ -14,7 +14,7 @@ no row is all padding (a fully padded row has no key to attend to); callers drop
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,9 +22,25 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from longformer_jax.data.text import ExampleSampler
 from longformer_jax.training.sharding import LOGICAL_RULES, batch_axes, batch_sharding
 
-__all__ = ["progress", "put_batch", "row_batches", "row_multiple", "to_host"]
+__all__ = ["ExampleBatches", "progress", "put_batch", "row_batches", "row_multiple", "to_host"]
+
+
+class ExampleBatches(ExampleSampler):
+  """Training `Batches` of whole examples: the sampler's order over `rows` (the indices of the
+  examples trained on), each batch `make(rows of the batch)`'s host arrays; state() and
+  load_state() are the sampler's (`data.text.ExampleSampler`: global_batch_size, seed,
+  process_index, process_count)."""
+
+  def __init__(self, make: Callable[[list[int]], dict[str, np.ndarray]], rows: Sequence[int],
+               **sampler_args):
+    super().__init__(len(rows), **sampler_args)
+    self._make, self._rows = make, list(rows)
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return self._make([self._rows[i] for i in super().__next__()])
 
 
 def row_multiple(mesh: Mesh | None) -> int:
