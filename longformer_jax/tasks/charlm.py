@@ -22,7 +22,6 @@ BPC = (sum of per-prediction cross-entropies in nats) / (N - 1) / ln 2.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import time
@@ -37,6 +36,7 @@ from jax.sharding import Mesh
 
 from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 from longformer_jax.config import CharLMConfig
+from longformer_jax.training import examples
 from longformer_jax.training.config import Stage, TrainConfig, config_from_record, read_run_config
 from longformer_jax.training.sharding import (
     batch_axes, make_mesh, row_group, seq_axis)
@@ -93,18 +93,10 @@ def _batches(data: np.ndarray, windows: Sequence[Window], length: int, batch_siz
     yield inputs, targets, weights
 
 
-@functools.lru_cache(maxsize=16)
-def _nll_sums_fn(graphdef, windows):
-  """One jitted scorer per model structure and windows: evaluating every N training steps
-  reuses the compiled function instead of tracing a new one."""
-
-  @jax.jit
-  def nll_sums(state, inputs_BxN, targets_BxN, weights_BxN):
-    logits_BxNxV = nnx.merge(graphdef, state)(inputs_BxN, windows=windows)
-    nll_BxN = next_byte_nll(logits_BxNxV, targets_BxN)
-    return jnp.sum(nll_BxN * weights_BxN), jnp.sum(weights_BxN)
-
-  return nll_sums
+def _window_nll(model, batch, *, windows):
+  """Per-position weighted next-byte NLL of a batch of windows (`examples.nll_sums_fn`)."""
+  nll_BxN = next_byte_nll(model(batch["inputs"], windows=windows), batch["targets"])
+  return nll_BxN * batch["weights"], batch["weights"]
 
 
 def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, stride: int = 512,
@@ -138,7 +130,7 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   else:
     sharding = None
 
-  nll_sums = _nll_sums_fn(graphdef, windows)
+  nll_sums = examples.nll_sums_fn(_window_nll, graphdef, windows=windows)
   def put(x):
     if sharding is None:
       return x
@@ -155,7 +147,8 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
     batches = tqdm(batches, total=math.ceil(len(plan) / batch_size), desc=f"eval {protocol}",
                    unit="batch")
   for inputs, targets, weights in batches:
-    s, c = nll_sums(state, put(inputs), put(targets), put(weights))
+    s, c = nll_sums(state, {"inputs": put(inputs), "targets": put(targets),
+                            "weights": put(weights)})
     # Sum on the host in float64: a 5M-character split overflows float32's exact range.
     total += float(s)
     count += int(round(float(c)))
@@ -206,8 +199,8 @@ def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
                  mesh: jax.sharding.Mesh | None = None, context: int = 32256, stride: int = 512,
                  score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
                  progress: bool = False) -> dict:
-  """BPC of a training run's checkpoint on `data`: the evaluation of train/charlm.py (after
-  training) and of eval/bpc.py.
+  """BPC of a training run's checkpoint on `data`: the evaluation of train.charlm (after
+  training, `CharLMTask.final_evaluation`) and of eval.bpc.
 
   Reads <workdir>/run_config.json for the model, restores the parameters of checkpoint `step`
   (default: the newest that restores and verifies; damaged ones are skipped with a warning) and

@@ -182,19 +182,11 @@ class MaskedBatches:
 # Evaluation.
 
 
-@functools.lru_cache(maxsize=16)
-def _nll_sums_fn(graphdef, pad_id: int, num_predictions: int):
-  """One jitted scorer per model structure: evaluating every N steps reuses the compile."""
-
-  @jax.jit
-  def nll_sums(state, input_ids_BxN, labels_BxN):
-    model = nnx.merge(graphdef, state)
-    model.eval()  # no dropout (this merged copy only)
-    nll_BxP, weights_BxP = masked_lm_nll(model, input_ids_BxN, labels_BxN, pad_id=pad_id,
-                                         num_predictions=num_predictions)
-    return jnp.sum(nll_BxP), jnp.sum(weights_BxP)
-
-  return nll_sums
+def _masked_nll(model, batch, *, pad_id: int, num_predictions: int):
+  """Per-prediction NLL and weights of a batch, dropout off (`examples.nll_sums_fn`)."""
+  model.eval()  # no dropout (the scorer's merged copy only)
+  return masked_lm_nll(model, batch["input_ids"], batch["labels"], pad_id=pad_id,
+                       num_predictions=num_predictions)
 
 
 def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: int,
@@ -223,7 +215,8 @@ def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: i
   multiple = examples.row_multiple(mesh)
   batch_size = -(-batch_size // multiple) * multiple
   graphdef, state = nnx.split(model)
-  nll_sums = _nll_sums_fn(graphdef, specials.pad, max_predictions(seq_len, rate))
+  nll_sums = examples.nll_sums_fn(_masked_nll, graphdef, pad_id=specials.pad,
+                                  num_predictions=max_predictions(seq_len, rate))
   starts = range(0, len(rows_RxN), batch_size)
   starts = examples.progress(starts, len(starts), "eval mlm", "batch", progress)
   total_nats, targets = 0.0, 0
@@ -234,7 +227,7 @@ def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: i
     ids_BxN[:len(input_ids[chunk])] = input_ids[chunk]
     labels_BxN[:len(labels[chunk])] = labels[chunk]
     batch = examples.put_batch({"input_ids": ids_BxN, "labels": labels_BxN}, mesh, rules)
-    nats, count = nll_sums(state, batch["input_ids"], batch["labels"])
+    nats, count = nll_sums(state, batch)
     total_nats += float(nats)  # summed on the host in float64
     targets += int(round(float(count)))
   if targets == 0:

@@ -212,18 +212,6 @@ def target_nll(model: led.LEDForConditionalGeneration, batch: Mapping[str, jax.A
   return jnp.where(real_BxT, nll_BxT, 0.0), real_BxT.astype(jnp.float32)
 
 
-@functools.lru_cache(maxsize=8)
-def _nll_sums_fn(graphdef, max_global: int):
-  """One jitted scorer per model structure: validation every N steps reuses the compilation."""
-
-  @jax.jit
-  def nll_sums(state, batch):
-    nll_BxT, real_BxT = target_nll(nnx.merge(graphdef, state), batch, max_global=max_global)
-    return jnp.sum(nll_BxT), jnp.sum(real_BxT)
-
-  return nll_sums
-
-
 def evaluate_loss(model: led.LEDForConditionalGeneration, split: Seq2SeqSplit, *,
                   global_attention: GlobalAttention, batch_size: int = 8,
                   max_examples: int | None = None, mesh: Mesh | None = None,
@@ -233,7 +221,8 @@ def evaluate_loss(model: led.LEDForConditionalGeneration, split: Seq2SeqSplit, *
   model = nnx.merge(*nnx.split(model))  # a copy to switch to evaluation mode
   model.eval()
   graphdef, state = nnx.split(model)
-  scorer = _nll_sums_fn(graphdef, global_attention.max_count(split.sources))
+  scorer = examples.nll_sums_fn(target_nll, graphdef,
+                                max_global=global_attention.max_count(split.sources))
   num = len(split) if max_examples is None else min(max_examples, len(split))
   total, count = 0.0, 0.0
   for rows, real in examples.row_batches(num, batch_size, mesh):

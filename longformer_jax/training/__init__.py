@@ -1,5 +1,5 @@
 """The training engine: staged, mesh-sharded training with exact Orbax resume, for any `Task`
-(the tasks themselves live in `longformer_jax.tasks`; the entry points in train/ run them).
+(the tasks live in `longformer_jax.tasks`; the entry points, `longformer_jax.cli`, run them).
 
   config     Stage, TrainConfig, paper_stages, run_config.json
   identity   what a run is fixed to: check_resume, RunMismatchError
