@@ -565,6 +565,37 @@ def load_source(spec: str, tokenizer=None, *, options: FinetuneOptions = Finetun
                              expected="a Longformer encoder")
 
 
+def initial_model(task: str, source: ModelSource, cfg: TrainConfig, mesh: Mesh) -> nnx.Module:
+  """The task's model with the source's weights (`initial_params`), laid out on the mesh as a
+  trained run's parameters are."""
+  from longformer_jax.training.sharding import param_shardings, seq_axis
+  model = MODEL_CLASSES[task](cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
+                              seq_axis=seq_axis(mesh))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, initial_params(source, model))
+  nnx.update(model, jax.device_put(state, param_shardings(state, mesh, cfg.logical_rules)))
+  return model
+
+
+def evaluate_only(task: str, cfg: TrainConfig, source: ModelSource | None, workdir, mesh: Mesh,
+                  splits: Mapping[str, fd.FinetuneSplit | None], *, global_attention: str,
+                  options: FinetuneOptions, progress: bool = False) -> FinalEvaluation:
+  """`score_splits` without training: of the newest checkpoint of the run in `workdir` (source
+  None; "checkpoint_step" in the results), else of `source`'s weights (`initial_model`)."""
+  from longformer_jax.training.task import restore
+  head = {}
+  if source is None:
+    model, step, _ = restore(
+        lambda config, rngs, mesh=None, seq_axis=None: MODEL_CLASSES[task](
+            config, rngs=rngs, mesh=mesh, seq_axis=seq_axis), cfg, workdir, mesh)
+    head = {"checkpoint_step": step}
+  else:
+    model = initial_model(task, source, cfg, mesh)
+  evaluation = score_splits(model, splits, global_attention=global_attention, options=options,
+                            cfg=cfg, mesh=mesh, progress=progress)
+  return FinalEvaluation({**head, **evaluation.results}, evaluation.files, evaluation.lines)
+
+
 def num_labels(task: str, splits: Sequence[fd.FinetuneSplit], source: ModelSource) -> int:
   """The size of the task's head: 2 for QA (start, end), the tag count for tagging, and for
   classification the source's own head size when it is a classifier whose classes cover the
@@ -620,8 +651,8 @@ def initial_params(source: ModelSource, model: nnx.Module) -> dict[str, Any]:
 
 __all__ = [
     "FinetuneOptions", "FinetuneTask", "MODEL_CLASSES", "ModelSource", "best_spans",
-    "check_labels", "initial_params", "load_source", "macro_f1", "normalize_answer",
-    "num_labels", "predict", "score_splits",
+    "check_labels", "evaluate_only", "initial_model", "initial_params", "load_source",
+    "macro_f1", "normalize_answer", "num_labels", "predict", "score_splits",
     "score", "span_answer", "squad_scores", "tagging_scores", "task_logits", "task_loss",
     "tiny_config",
 ]

@@ -45,7 +45,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from longformer_jax.cli.driver import Plan, TrainCommand, positive_float, positive_int
+from longformer_jax.cli.driver import (
+    Plan, TrainCommand, nonnegative_int, positive_float, positive_int)
 from longformer_jax.data.finetune_data import TASKS
 from longformer_jax.tasks.finetune import FinetuneOptions
 
@@ -77,7 +78,7 @@ class Finetune(TrainCommand):
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="records per step (global)")
     parser.add_argument("--learning-rate", type=positive_float, default=3e-5)
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=nonnegative_int, default=0,
                         help="batch order, dropout, the new head, fresh weights of a preset")
     parser.add_argument("--eval-only", action="store_true",
                         help="train nothing: score --validation/--test with the parameters of "
@@ -88,8 +89,6 @@ class Finetune(TrainCommand):
       parser.error("training needs --train and --model (or use --eval-only)")
     if args.eval_only and args.validation is None and args.test is None:
       parser.error("--eval-only needs --validation or --test")
-    if args.seed < 0:
-      parser.error(f"--seed must be >= 0, got {args.seed}")
 
   def default_workdir(self, args):
     return Path("runs") / f"finetune_{args.task}_{Path(args.train or 'eval').stem}"
@@ -203,36 +202,10 @@ class Finetune(TrainCommand):
   def _evaluate(self, args, cfg, options, mode, workdir, mesh):
     """--eval-only: the workdir's newest checkpoint, else --model's weights, scored."""
     from longformer_jax.tasks import finetune
-    from longformer_jax.training.task import FinalEvaluation, restore
-    build = lambda config, rngs, mesh=None, seq_axis=None: finetune.MODEL_CLASSES[args.task](
-        config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
-    head = {}
-    if self.from_workdir:
-      model, step, _ = restore(build, cfg, workdir, mesh)
-      head = {"checkpoint_step": step}
-    else:
-      model = _initial_model(build, self.source, cfg, mesh)
-    evaluation = finetune.score_splits(
-        model, {"validation": self.splits.get("validation"), "test": self.splits.get("test")},
-        global_attention=mode, options=options, cfg=cfg, mesh=mesh,
-        progress=not args.no_progress)
-    return FinalEvaluation({**head, **evaluation.results}, evaluation.files, evaluation.lines)
-
-
-def _initial_model(build, source, cfg, mesh):
-  """The task's model with the source's weights (`finetune.initial_params`), laid out on the
-  mesh as a trained run's parameters are."""
-  import jax
-  from flax import nnx
-  from longformer_jax import training
-  from longformer_jax.tasks import finetune
-  from longformer_jax.training.sharding import seq_axis
-  model = build(cfg.model, nnx.Rngs(cfg.seed), mesh=mesh, seq_axis=seq_axis(mesh))
-  state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, finetune.initial_params(source, model))
-  nnx.update(model, jax.device_put(
-      state, training.param_shardings(state, mesh, cfg.logical_rules)))
-  return model
+    return finetune.evaluate_only(
+        args.task, cfg, None if self.from_workdir else self.source, workdir, mesh,
+        {"validation": self.splits.get("validation"), "test": self.splits.get("test")},
+        global_attention=mode, options=options, progress=not args.no_progress)
 
 
 def main(argv: list[str] | None = None) -> int:
