@@ -1,5 +1,6 @@
 """Where the weights of a run come from: any model directory, whatever wrote it, opened the one
-way every entry point does (`train.mlm`, `train.finetune`, `train.seq2seq`), and the checksum
+way every entry point does (`train.mlm`, `train.finetune`, `train.seq2seq`: `load_source`,
+`ModelSource`, with the presets of `MODEL_PRESETS`), and the checksum
 that names those weights in a run's identity (a resume from other weights is refused).
 
     kind, model = sources.open_model_dir(path, {"longformer": convert.from_hf}, workdir_class)
