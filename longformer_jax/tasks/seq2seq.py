@@ -354,6 +354,20 @@ class Seq2SeqTask(Task):
     return FinalEvaluation(results, files, tuple(lines))
 
 
+def check_generation(cfg: TrainConfig) -> None:
+  """ValueError naming a `cfg.final_eval` setting that generation does not take, or a
+  max_new_tokens outside the decoder's positions."""
+  settings = dict(cfg.final_eval or {})
+  unknown = sorted(set(settings) - set(GENERATE_ARGS) - {"batch_size"})
+  if unknown:
+    raise ValueError(f"final_eval has unknown generation settings {unknown}; known: "
+                     f"{['batch_size', *GENERATE_ARGS]}")
+  new, most = settings.get("max_new_tokens", 1), cfg.model.max_decoder_position_embeddings
+  if not isinstance(new, int) or not 1 <= new <= most:
+    raise ValueError(f"max_new_tokens={new!r} must be an int in [1, "
+                     f"max_decoder_position_embeddings={most}]")
+
+
 def check_token_ids(split: Seq2SeqSplit, vocab_size: int) -> None:
   """ValueError naming the file and line of the first token id outside the model's vocabulary
   (a tokenizer larger than the model's embedding table)."""

@@ -99,7 +99,7 @@ class Seq2Seq(TrainCommand):
 
   def finish_config(self, args, cfg, options, workdir):
     from longformer_jax.tasks import seq2seq
-    _check_generation(cfg)
+    seq2seq.check_generation(cfg)
     seq2seq.check_tokenizer(self.tokenizer, cfg.model)
     return cfg
 
@@ -126,19 +126,6 @@ class Seq2Seq(TrainCommand):
                 init_params=None if params is None else lambda: params,
                 lines=(", ".join(f"{name} {len(split):,} pairs"
                                  for name, split in splits.items()),))
-
-
-def _check_generation(cfg) -> None:
-  from longformer_jax.tasks.seq2seq import GENERATE_ARGS
-  settings = dict(cfg.final_eval or {})
-  unknown = sorted(set(settings) - set(GENERATE_ARGS) - {"batch_size"})
-  if unknown:
-    raise ValueError(f"final_eval has unknown generation settings {unknown}; known: "
-                     f"{['batch_size', *GENERATE_ARGS]}")
-  new, most = settings.get("max_new_tokens", 1), cfg.model.max_decoder_position_embeddings
-  if not isinstance(new, int) or not 1 <= new <= most:
-    raise ValueError(f"max_new_tokens={new!r} must be an int in [1, "
-                     f"max_decoder_position_embeddings={most}]")
 
 
 def main(argv: list[str] | None = None) -> int:
