@@ -66,6 +66,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _bounded(cast: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
+  """An argparse type: `cast(text)`, refused unless `ok(value)`; errors name the value."""
   def parse(text: str):
     try:
       value = cast(text)
@@ -360,8 +361,7 @@ class TrainCommand(abc.ABC):
     parser = self.parser()
     args = parser.parse_args(argv)
     self.validate(parser, args)
-    # Import JAX only now: --help works anywhere, and a pod slice initialises before any
-    # device use.
+    # A multi-process run (a pod slice) initialises before any device use.
     import jax
     from etils import epath
     from longformer_jax import training
