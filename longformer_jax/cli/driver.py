@@ -126,6 +126,8 @@ def initialize_distributed(args: argparse.Namespace) -> None:
 
 
 def _type_name(annotation: Any) -> str:
+  if annotation is type(None):
+    return "None"
   if isinstance(annotation, str):
     return annotation
   if isinstance(annotation, type) and not typing.get_args(annotation):
