@@ -100,7 +100,7 @@ def test_bad_arguments_name_the_values():
 def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, monkeypatch):
   """eval.bpc: an unwritable --output fails before any evaluation; a NaN result exits 1 and
   writes nothing (a checkpoint with broken weights must not look like a result)."""
-  from eval import bpc
+  from longformer_jax.cli.eval import bpc
   import longformer_jax.tasks.charlm as evaluation
   text = tmp_path / "text.txt"
   text.write_bytes(b"some bytes to score")

@@ -420,7 +420,7 @@ def test_cli_exports_a_trained_run(run_dir, tmp_path, capsys):
   mesh): an archive with a program per length whose manifest says what they are; one of them
   (the other is the same export at another length) equals the checkpoint's model with the run's
   last-stage windows."""
-  from eval import export as cli
+  from longformer_jax.cli.eval import export as cli
   from longformer_jax import checkpoint
   out = tmp_path / "char.zip"
   assert cli.main(["--workdir", str(run_dir), "--out", str(out), "--seq-len", "12", "8",
@@ -448,15 +448,16 @@ def test_cli_exports_a_trained_run(run_dir, tmp_path, capsys):
 def test_cli_knows_each_runs_class_and_reads_model_checkpoints(tmp_path, capsys):
   """A training workdir's model class follows its run record; a model checkpoint directory
   (`save_model`) is exported as it is."""
-  from eval import export as cli
+  from longformer_jax.cli.eval import export as cli
   from longformer_jax import checkpoint
+  from longformer_jax.tasks import runs
   for task, cls in (("qa", "LongformerForQuestionAnswering"),
                     ("multiple_choice", "LongformerForMultipleChoice"),
                     (None, "LongformerForMaskedLM")):  # an MLM run records no task
-    assert cli.run_model_class({"data": {"task": task}}, ENCODER).__name__ == cls
-  assert cli.run_model_class({}, LED) is led.LEDForConditionalGeneration
+    assert runs.run_model_class({"data": {"task": task}}, ENCODER).__name__ == cls
+  assert runs.run_model_class({}, LED) is led.LEDForConditionalGeneration
   with pytest.raises(ValueError, match="a run of a CharLMConfig model cannot be exported"):
-    cli.run_model_class({}, CHAR_LM)
+    runs.run_model_class({}, CHAR_LM)
   checkpoint.save_model(tmp_path / "lm", LongformerForCausalLM(RUN_MODEL, rngs=nnx.Rngs(0)))
   assert cli.main(["--workdir", str(tmp_path / "lm"), "--out", str(tmp_path / "lm.zip"),
                    "--seq-len", "8"]) == 0
@@ -469,7 +470,7 @@ def test_cli_knows_each_runs_class_and_reads_model_checkpoints(tmp_path, capsys)
 def test_cli_exports_led_as_three_programs_per_length(served, tmp_path, capsys, monkeypatch):
   """An LED model is exported as encode, init_cache and decode_step per length, decoding
   num_beams rows per example over a cache of max_length positions."""
-  from eval import export as cli
+  from longformer_jax.cli.eval import export as cli
   model = served[0]["models"]["LED"]
   monkeypatch.setattr(cli, "load_model", lambda path, step: (model, {"source": path,
                                                                      "kind": "checkpoint"}))
@@ -494,7 +495,7 @@ def test_cli_exports_led_as_three_programs_per_length(served, tmp_path, capsys, 
     (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
 ])
 def test_cli_bad_arguments_exit_2_in_one_line(run_dir, tmp_path, capsys, args, message):
-  from eval import export as cli
+  from longformer_jax.cli.eval import export as cli
   base = {"--workdir": str(run_dir), "--out": str(tmp_path / "x.zip"), "--seq-len": "8"}
   for flag, value in zip(args[::2], args[1::2]):
     base[flag] = value
@@ -507,7 +508,7 @@ def test_cli_bad_arguments_exit_2_in_one_line(run_dir, tmp_path, capsys, args, m
 
 
 def test_cli_nothing_to_export_exits_1(tmp_path, capsys):
-  from eval import export as cli
+  from longformer_jax.cli.eval import export as cli
   assert cli.main(["--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "x.zip"),
                    "--seq-len", "8"]) == 1
   err = capsys.readouterr().err

@@ -20,7 +20,7 @@ from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer
 from longformer_jax.tasks import finetune as ft
-from train import finetune as cli
+from longformer_jax.cli.train import finetune as cli
 
 pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
 

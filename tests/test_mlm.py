@@ -303,7 +303,7 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
   assert all(math.isfinite(results["eval"][k]) for k in ("loss", "bits_per_token", "bpc"))
   assert results["valid_bpc"] > 0
 
-  from eval.mlm import main as eval_main
+  from longformer_jax.cli.eval.mlm import main as eval_main
   monkeypatch.setenv("LONGFORMER_JAX_CACHE", str(tmp_path / "cache"))
   assert eval_main(["--workdir", str(workdir), "--split", "validation", "--max-tokens", "512",
                     "--no-progress"]) == 0
@@ -319,7 +319,7 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
     (["--preset", "mlm_tiny", "--set", "stages.0.sequence=3"], "unknown field 'sequence'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message, capsys, tmp_path):
-  from train.mlm import main
+  from longformer_jax.cli.train.mlm import main
   with pytest.raises(SystemExit) as exit_info:
     main([*args, "--workdir", str(tmp_path / "w"), "--no-progress"])
   assert exit_info.value.code == 2

@@ -16,7 +16,7 @@ import pytest
 from longformer_jax.config import CharLMConfig
 from longformer_jax.training import Stage, TrainConfig, apply_overrides
 from longformer_jax.training.overrides import parse_value
-from train.cli import load_config
+from longformer_jax.cli.driver import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train" / "configs"
@@ -324,6 +324,6 @@ def test_cli_bad_override_is_one_line_and_status_2():
       cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert proc.returncode == 2, proc.stderr[-2000:]
   lines = proc.stderr.strip().splitlines()
-  assert lines == ["charlm.py: error: --set checkpoint_every='1.5': expected int, got '1.5'"], (
+  assert lines == ["train.charlm: error: --set checkpoint_every='1.5': expected int, got '1.5'"], (
       proc.stderr[-2000:])
   assert proc.stdout == ""

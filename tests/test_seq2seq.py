@@ -29,7 +29,7 @@ from longformer_jax.config import LEDConfig
 from longformer_jax.data import text
 from longformer_jax.tasks import seq2seq
 from testing import seed_of
-from train import seq2seq as cli
+from longformer_jax.cli.train import seq2seq as cli
 
 tokenizers = pytest.importorskip("tokenizers", reason="pip install -e '.[torch]'")
 pytest.importorskip("rouge_score", reason="pip install -e '.[torch]'")
@@ -265,9 +265,10 @@ def test_hf_led_directory(files, tmp_path):
     hf.final_logits_bias.normal_()  # a buffer, which random init leaves at zero
   hf.eval().save_pretrained(tmp_path / "hf_led")
 
-  args = cli.parse_args(_argv(files, tmp_path / "run", "--steps", "2",
-                              model=str(tmp_path / "hf_led")))[1]
-  cfg, task, source, _, splits = cli.build(args)
+  command = cli.Seq2Seq()
+  _, cfg, _, plan = command.resolve(_argv(files, tmp_path / "run", "--steps", "2",
+                                          model=str(tmp_path / "hf_led")))
+  task, source, splits = plan.task, command.source, {"train": plan.task.train}
   assert source.identity["kind"] == "hf_led"
   assert cfg.model == LEDConfig.tiny(vocab_size=12)
   batch = seq2seq.training_batch(splits["train"], range(8), pad_token_id=1,
@@ -288,9 +289,11 @@ def test_bart_directory_made_long(files, tmp_path):
       **fields, max_position_embeddings=16))
   bart.eval().save_pretrained(tmp_path / "bart")
 
-  args = cli.parse_args(_argv(files, tmp_path / "run", "--steps", "2", "--bart-positions",
-                              "64", "--bart-window", "16", model=str(tmp_path / "bart")))[1]
-  cfg, task, source, _, splits = cli.build(args)
+  command = cli.Seq2Seq()
+  _, cfg, _, plan = command.resolve(_argv(files, tmp_path / "run", "--steps", "2",
+                                          "--bart-positions", "64", "--bart-window", "16",
+                                          model=str(tmp_path / "bart")))
+  task, source, splits = plan.task, command.source, {"train": plan.task.train}
   assert source.identity["kind"] == "hf_bart"
   assert (cfg.model.max_encoder_position_embeddings, cfg.model.layer_windows) == (64, (16, 16))
   batch = seq2seq.training_batch(splits["train"], range(8), pad_token_id=1,

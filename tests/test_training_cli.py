@@ -1,7 +1,11 @@
-"""train/charlm.py: config files load, --set overrides reach any field and reject bad ones, the
-distributed flags reach `jax.distributed.initialize`."""
+"""The entry points (`longformer_jax.cli`): every installed command resolves and answers --help
+and --print-config without training; config files load, --set overrides reach any field and
+reject bad ones, the distributed flags reach `jax.distributed.initialize`."""
 
 import argparse
+import importlib
+import json
+import tomllib
 from pathlib import Path
 
 import jax
@@ -10,9 +14,104 @@ import pytest
 
 from longformer_jax.training import TrainConfig
 from longformer_jax.training.overrides import apply_overrides
-from train.cli import add_distributed_args, initialize_distributed, load_config
+from longformer_jax.cli.driver import add_distributed_args, initialize_distributed, load_config
 
-CONFIGS = Path(__file__).parents[1] / "train" / "configs"
+ROOT = Path(__file__).parents[1]
+CONFIGS = ROOT / "train" / "configs"
+
+
+def _scripts() -> dict[str, str]:
+  with open(ROOT / "pyproject.toml", "rb") as f:
+    return tomllib.load(f)["project"]["scripts"]
+
+
+def _entry_point(target: str):
+  module, _, name = target.partition(":")
+  return importlib.import_module(module), getattr(importlib.import_module(module), name)
+
+
+def test_every_script_resolves_to_a_main_and_has_a_python_m_shim():
+  scripts = _scripts()
+  assert len(scripts) == 8
+  for command, target in scripts.items():
+    module, main = _entry_point(target)
+    assert callable(main), command
+    # longformer-train-charlm <-> longformer_jax.cli.train.charlm <-> python -m train.charlm
+    kind, name = command.removeprefix("longformer-").split("-", 1)
+    assert module.__name__ == f"longformer_jax.cli.{kind}.{name}"
+    assert f"from longformer_jax.cli.{kind}.{name} import main" in (
+        ROOT / kind / f"{name}.py").read_text()
+
+
+@pytest.mark.parametrize("command", sorted(_scripts()))
+def test_help_lists_the_settings(command, capsys):
+  _, main = _entry_point(_scripts()[command])
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  assert "--print-config" in out
+  if "-train-" in command:  # the settings, with their types and defaults
+    assert "settings (--set PATH=VALUE" in out and "  stages.N.learning_rate: float" in out
+    assert "  eval_every: int = 500" in out and "--distributed" in out
+
+
+def _print_config_argv(command: str, tmp_path: Path) -> list[str]:
+  """A command line of `command` that resolves without training (tiny inputs)."""
+  records = tmp_path / "records.jsonl"
+  records.write_text("".join(json.dumps({"input_ids": [5, 6, 7], "label": i % 2}) + "\n"
+                             for i in range(4)))
+  workdir = ["--workdir", str(tmp_path / "run")]
+  return {
+      "longformer-train-charlm": ["--config", str(CONFIGS / "char_tiny.py"),
+                                  "--set", "stages.0.steps=700"],
+      "longformer-train-mlm": ["--preset", "mlm_tiny", "--data", "text8_sample"],
+      "longformer-train-finetune": ["--task", "classification", "--model", "tiny", "--train",
+                                    str(records), "--max-length", "16", "--steps", "7",
+                                    "--set", "global_attention=none"],
+      "longformer-train-seq2seq": None,
+      "longformer-eval-bpc": [],
+      "longformer-eval-mlm": [],
+      "longformer-eval-sample": ["--prompt", "The "],
+      "longformer-eval-export": ["--out", str(tmp_path / "x.zip"), "--seq-len", "8"],
+  }[command] + workdir
+
+
+@pytest.mark.parametrize("command", sorted(set(_scripts()) - {"longformer-train-seq2seq"}))
+def test_print_config_prints_the_settings_and_writes_nothing(command, capsys, tmp_path):
+  _, main = _entry_point(_scripts()[command])
+  argv = _print_config_argv(command, tmp_path)
+  assert main(argv + ["--print-config"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert not (tmp_path / "run").exists() and not (tmp_path / "x.zip").exists()
+  if command == "longformer-train-charlm":
+    assert printed["config"]["stages"][0]["steps"] == 700
+  elif command == "longformer-train-mlm":
+    assert printed["config"]["dataset"] == "text8_sample"
+  elif command == "longformer-train-finetune":  # the task's options beside the TrainConfig
+    assert printed["options"]["global_attention"] == "none"
+    assert printed["config"]["stages"][0]["seq_len"] == 16
+    assert printed["config"]["model"]["num_labels"] == 2
+  else:
+    assert printed["workdir"] == str(tmp_path / "run")
+
+
+def test_seq2seq_print_config(capsys, tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import models
+  vocab = {t: i for i, t in enumerate(("<s>", "<pad>", "</s>", "<unk>", "a", "b"))}
+  tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(
+      str(tmp_path / "tokenizer.json"))
+  pairs = tmp_path / "pairs.jsonl"
+  pairs.write_text(json.dumps({"source": "a b", "target": "b"}) + "\n")
+  _, main = _entry_point(_scripts()["longformer-train-seq2seq"])
+  assert main(["--model", "tiny", "--tokenizer", str(tmp_path / "tokenizer.json"), "--train",
+               str(pairs), "--max-source-length", "16", "--max-target-length", "8",
+               "--num-beams", "2", "--workdir", str(tmp_path / "run"), "--print-config"]) == 0
+  printed = json.loads(capsys.readouterr().out)
+  assert printed["config"]["final_eval"] == {"num_beams": 2, "max_new_tokens": 8}
+  assert printed["config"]["model"]["vocab_size"] == 6
+  assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("name", ["char_tiny", "char_small", "char_large"])

@@ -5,6 +5,7 @@ final evaluation, on the engine of `longformer_jax.training` (the `Task` contrac
   mlm        MLMTask: continued masked-LM pretraining (paper §5), its evaluation and presets
   finetune   FinetuneTask: classification, QA, tagging, multiple choice (paper §6)
   seq2seq    Seq2SeqTask: LED on (source, target) pairs, ROUGE of generated outputs (paper §6)
+  runs       a trained run's model, whatever its task (what eval.export serves)
 """
 
 from longformer_jax.tasks.charlm import CharLMTask

@@ -22,7 +22,6 @@ BPC = (sum of per-prediction cross-entropies in nats) / (N - 1) / ln 2.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 import time
@@ -35,13 +34,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from longformer_jax import checkpoint
 from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 from longformer_jax.config import CharLMConfig
+from longformer_jax.training import examples
 from longformer_jax.training.config import Stage, TrainConfig, config_from_record, read_run_config
 from longformer_jax.training.sharding import (
-    batch_axes, make_mesh, param_shardings, row_group, seq_axis)
-from longformer_jax.training.task import Batches, Task, dict_batches
+    batch_axes, make_mesh, row_group, seq_axis)
+from longformer_jax.training.task import Batches, FinalEvaluation, Task, dict_batches, restore
 
 PROTOCOLS = ("sliding", "chunks")
 
@@ -94,18 +93,10 @@ def _batches(data: np.ndarray, windows: Sequence[Window], length: int, batch_siz
     yield inputs, targets, weights
 
 
-@functools.lru_cache(maxsize=16)
-def _nll_sums_fn(graphdef, windows):
-  """One jitted scorer per model structure and windows: evaluating every N training steps
-  reuses the compiled function instead of tracing a new one."""
-
-  @jax.jit
-  def nll_sums(state, inputs_BxN, targets_BxN, weights_BxN):
-    logits_BxNxV = nnx.merge(graphdef, state)(inputs_BxN, windows=windows)
-    nll_BxN = next_byte_nll(logits_BxNxV, targets_BxN)
-    return jnp.sum(nll_BxN * weights_BxN), jnp.sum(weights_BxN)
-
-  return nll_sums
+def _window_nll(model, batch, *, windows):
+  """Per-position weighted next-byte NLL of a batch of windows (`examples.nll_sums_fn`)."""
+  nll_BxN = next_byte_nll(model(batch["inputs"], windows=windows), batch["targets"])
+  return nll_BxN * batch["weights"], batch["weights"]
 
 
 def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, stride: int = 512,
@@ -139,7 +130,7 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   else:
     sharding = None
 
-  nll_sums = _nll_sums_fn(graphdef, windows)
+  nll_sums = examples.nll_sums_fn(_window_nll, graphdef, windows=windows)
   def put(x):
     if sharding is None:
       return x
@@ -156,7 +147,8 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
     batches = tqdm(batches, total=math.ceil(len(plan) / batch_size), desc=f"eval {protocol}",
                    unit="batch")
   for inputs, targets, weights in batches:
-    s, c = nll_sums(state, put(inputs), put(targets), put(weights))
+    s, c = nll_sums(state, {"inputs": put(inputs), "targets": put(targets),
+                            "weights": put(weights)})
     # Sum on the host in float64: a 5M-character split overflows float32's exact range.
     total += float(s)
     count += int(round(float(c)))
@@ -195,12 +187,8 @@ def restore_run(workdir, *, step: int | None = None, mesh: jax.sharding.Mesh | N
   state), built for and sharded over `mesh` (default: all devices on the data axis) by the run's
   logical rules; windows: the final stage's, from the settings saved with that checkpoint."""
   cfg = read_run_config(workdir)
-  mesh = _default_mesh(mesh)
-  model, step, meta = checkpoint.restore_model_and_meta(
-      lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
-                                    seq_axis=seq_axis(mesh)),
-      workdir, step=step,
-      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
+  model, step, meta = restore(LongformerForCausalLM, cfg, workdir, _default_mesh(mesh),
+                              step=step)
   # The stages may have grown since the run started (an extended run): the checkpoint's own
   # settings say which windows its last stage trains with.
   windows = config_from_record(meta["run"], f"step {step} meta").stage_windows(-1)
@@ -211,8 +199,8 @@ def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
                  mesh: jax.sharding.Mesh | None = None, context: int = 32256, stride: int = 512,
                  score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
                  progress: bool = False) -> dict:
-  """BPC of a training run's checkpoint on `data`: the evaluation of train/charlm.py (after
-  training) and of eval/bpc.py.
+  """BPC of a training run's checkpoint on `data`: the evaluation of train.charlm (after
+  training, `CharLMTask.final_evaluation`) and of eval.bpc.
 
   Reads <workdir>/run_config.json for the model, restores the parameters of checkpoint `step`
   (default: the newest that restores and verifies; damaged ones are skipped with a warning) and
@@ -248,9 +236,15 @@ class CharLMTask(Task):
   plot_ylabel = "bits per character"
 
   def __init__(self, train_data: np.ndarray | None = None,
-               valid_data: np.ndarray | None = None):
+               valid_data: np.ndarray | None = None, *, data_file: str | None = None):
     self._train_data = None if train_data is None else np.asarray(train_data)
     self._valid_data = None if valid_data is None else np.asarray(valid_data)
+    self.data_file = data_file
+
+  @classmethod
+  def of_file(cls, path: str) -> CharLMTask:
+    """Training, validation and the final evaluation on a file's bytes (`split_of_file`)."""
+    return cls(split_of_file(path, "train"), split_of_file(path, "validation"), data_file=path)
 
   def check(self, cfg: TrainConfig) -> None:
     if not isinstance(cfg.model, CharLMConfig):
@@ -305,6 +299,34 @@ class CharLMTask(Task):
 
   def train_metrics(self, loss: float) -> dict[str, float]:
     return {"train_bpc": loss / math.log(2)}
+
+
+  def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
+                       progress: bool = False) -> FinalEvaluation:
+    """`evaluate_run` of the run's newest checkpoint on `cfg.final_eval["split"]` (default
+    "test") of the dataset (or of the data file), with the rest of `cfg.final_eval`."""
+    if cfg.final_eval is None:
+      return FinalEvaluation({})
+    eval_args = dict(cfg.final_eval)
+    split = eval_args.pop("split", "test")
+    if self.data_file is not None:
+      source, data = self.data_file, split_of_file(self.data_file, split)
+    else:
+      source, data = cfg.dataset, _load(cfg, split)
+    result = evaluate_run(workdir, data, mesh=mesh, progress=progress, **eval_args)
+    return FinalEvaluation({f"{split}_bpc": result["bpc"],
+                            "eval": {"dataset": source, "split": split, **result}},
+                           lines=(f"{source} {split}: {describe(result)}",))
+
+
+def split_of_file(path: str, split: str) -> np.ndarray:
+  """`split` ("train", "validation", "test") of a file's bytes: the first 90%, the next 5%, the
+  rest, as the corpora are split."""
+  from etils import epath
+  from longformer_jax.data.corpora import split_bounds
+  data = np.frombuffer(epath.Path(path).read_bytes(), np.uint8)
+  start, stop = split_bounds(len(data))[split]
+  return data[start:stop].copy()
 
 
 def _load(cfg: TrainConfig, split: str) -> np.ndarray:

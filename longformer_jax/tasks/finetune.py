@@ -26,11 +26,12 @@ import abc
 import collections
 import dataclasses
 import functools
+import json
 import os
 import re
 import string
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -48,11 +49,11 @@ from longformer_jax.data import text
 from longformer_jax.data.tokenizer import SpecialIds
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training.sharding import LOGICAL_RULES
-from longformer_jax.training.task import Batches, Task
+from longformer_jax.training.task import Batches, FinalEvaluation, Task
 from longformer_jax.training import examples
-from longformer_jax.training.sources import host_params, open_model_dir, params_fingerprint
+from longformer_jax.training import sources
+from longformer_jax.training.sources import ModelSource
 
-PRESETS = ("tiny", "base", "large")
 # Logits of positions and candidates that cannot be chosen (float32: exp underflows to 0).
 _NEG = -1e9
 
@@ -691,19 +692,6 @@ def best_spans(start_BxN: jax.Array, end_BxN: jax.Array, max_answer_length: int
 # The task
 
 
-class _ExampleBatches(text.ExampleSampler):
-  """The training `Batches`: the sampler's order over `rows` (the examples trained on), each
-  batch as `make(rows of the batch)`'s arrays; state()/load_state() are the sampler's."""
-
-  def __init__(self, make: Callable[[list[int]], dict[str, np.ndarray]], rows: Sequence[int],
-               **sampler_args):
-    super().__init__(len(rows), **sampler_args)
-    self._make, self._rows = make, list(rows)
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    return self._make([self._rows[i] for i in super().__next__()])
-
-
 class FinetuneTask(Task):
   """Fine-tuning a Longformer task head (module docstring) on a `FinetuneSplit`.
 
@@ -725,7 +713,7 @@ class FinetuneTask(Task):
   def __init__(self, task: str, train: fd.FinetuneSplit,
                validation: fd.FinetuneSplit | None = None, *, global_attention: str,
                options: FinetuneOptions = FinetuneOptions(),
-               identity: Mapping[str, Any] | None = None):
+               identity: Mapping[str, Any] | None = None, test: fd.FinetuneSplit | None = None):
     kind = get_kind(task)
     for split in (train, validation):
       if split is not None and split.task != task:
@@ -740,6 +728,7 @@ class FinetuneTask(Task):
                        f"nothing to train on")
     self.max_global = train.max_global(self.global_attention)
     self._identity = dict(identity or {})
+    self.test = test
 
   def check(self, cfg: TrainConfig) -> None:
     c = cfg.model
@@ -784,7 +773,7 @@ class FinetuneTask(Task):
               process_count: int) -> Batches:
     make = functools.partial(self.kind.batch, self.train, global_attention=self.global_attention,
                              specials=SpecialIds.of_config(cfg.model))
-    return _ExampleBatches(make, self.rows,
+    return examples.ExampleBatches(lambda rows: make(rows=rows), self.rows,
                            global_batch_size=cfg.stages[stage_index].batch_size,
                            seed=cfg.seed + stage_index, process_index=process_index,
                            process_count=process_count)
@@ -800,6 +789,39 @@ class FinetuneTask(Task):
                       rules=cfg.logical_rules)
     metrics, _ = score(self.validation, outputs)
     return {f"valid_{k}": v for k, v in metrics.items() if k != "examples"}
+
+  def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
+                       progress: bool = False) -> FinalEvaluation:
+    """The validation and test splits scored by the run's newest checkpoint (`score_splits`)."""
+    model, step, _ = self.restore(cfg, workdir, mesh)
+    evaluation = score_splits(
+        model, {"validation": self.validation, "test": self.test},
+        global_attention=self.global_attention, options=self.options, cfg=cfg, mesh=mesh,
+        progress=progress)
+    return FinalEvaluation({"checkpoint_step": step, **evaluation.results}, evaluation.files,
+                           evaluation.lines)
+
+
+def score_splits(model: nnx.Module, splits: Mapping[str, fd.FinetuneSplit | None], *,
+                 global_attention: str, options: FinetuneOptions, cfg: TrainConfig,
+                 mesh: Mesh | None = None, progress: bool = False) -> FinalEvaluation:
+  """`predict` and `score` of each split given (None: skipped): {name: metrics} and the files
+  predictions_<name>.jsonl (one record per example)."""
+  results, files, lines = {}, {}, []
+  for name, split in splits.items():
+    if split is None:
+      continue
+    outputs = predict(model, split, global_attention=global_attention,
+                      max_answer_length=options.max_answer_length,
+                      batch_size=cfg.eval_batch_size, mesh=mesh, rules=cfg.logical_rules,
+                      progress=progress)
+    metrics, records = score(split, outputs)
+    results[name] = metrics
+    files[f"predictions_{name}.jsonl"] = "".join(json.dumps(r, ensure_ascii=False) + "\n"
+                                                 for r in records)
+    lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                         for k, v in metrics.items()))
+  return FinalEvaluation(results, files, tuple(lines))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -940,17 +962,6 @@ def squad_scores(predictions: Sequence, golds: Sequence[Sequence], *, normalize:
 # The model to start from
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-  """An encoder to fine-tune: its config, its weights (a pure dict of host arrays in its own
-  class's structure; None for a preset, initialised from the run's seed), the name of that
-  class, and the JSON identity of both (a resume from other weights is refused)."""
-  config: LongformerConfig
-  params: dict[str, Any] | None
-  model_class: str | None
-  identity: dict[str, Any]
-
-
 def load_source(spec: str, tokenizer=None, *, options: FinetuneOptions = FinetuneOptions()
                 ) -> ModelSource:
   """The Longformer named by `spec`:
@@ -968,17 +979,16 @@ def load_source(spec: str, tokenizer=None, *, options: FinetuneOptions = Finetun
   Raises FileNotFoundError / ValueError naming what is wrong.
   """
   from longformer_jax import convert
-  if spec in PRESETS and not os.path.exists(spec):
+
+  def preset(name):
     ids = {}
     if tokenizer is not None:
       for token, fields in (("<s>", ("bos_token_id",)), ("</s>", ("eos_token_id", "sep_token_id")),
                             ("<pad>", ("pad_token_id",))):
         if tokenizer.token_to_id(token) is not None:
           ids.update(dict.fromkeys(fields, tokenizer.token_to_id(token)))
-    return ModelSource(getattr(LongformerConfig, spec)(**ids), None, None,
-                       {"kind": "preset", "preset": spec})
-  if not os.path.isdir(spec):
-    raise FileNotFoundError(f"--model {spec!r} is neither a preset {PRESETS} nor a directory")
+    return getattr(LongformerConfig, name)(**ids)
+
   hf = {"longformer": convert.from_hf,
         "roberta": functools.partial(convert.roberta_to_longformer,
                                      max_positions=options.roberta_positions,
@@ -992,12 +1002,39 @@ def load_source(spec: str, tokenizer=None, *, options: FinetuneOptions = Finetun
     return MODEL_CLASSES.get((record.get("data") or {}).get("task"),
                              modeling.LongformerForMaskedLM)
 
-  kind, model = open_model_dir(spec, hf, workdir_class)
-  if not isinstance(getattr(model, "config", None), LongformerConfig):
-    raise ValueError(f"{spec} holds a {type(model).__name__}, not a Longformer encoder")
-  params = host_params(model)
-  identity = {"kind": kind, "params_sha256": params_fingerprint(params)}
-  return ModelSource(model.config, params, type(model).__name__, identity)
+  return sources.load_source(spec, LongformerConfig, preset, hf, workdir_class,
+                             expected="a Longformer encoder")
+
+
+def initial_model(task: str, source: ModelSource, cfg: TrainConfig, mesh: Mesh) -> nnx.Module:
+  """The task's model with the source's weights (`initial_params`), laid out on the mesh as a
+  trained run's parameters are."""
+  from longformer_jax.training.sharding import param_shardings, seq_axis
+  model = MODEL_CLASSES[task](cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
+                              seq_axis=seq_axis(mesh))
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, initial_params(source, model))
+  nnx.update(model, jax.device_put(state, param_shardings(state, mesh, cfg.logical_rules)))
+  return model
+
+
+def evaluate_only(task: str, cfg: TrainConfig, source: ModelSource | None, workdir, mesh: Mesh,
+                  splits: Mapping[str, fd.FinetuneSplit | None], *, global_attention: str,
+                  options: FinetuneOptions, progress: bool = False) -> FinalEvaluation:
+  """`score_splits` without training: of the newest checkpoint of the run in `workdir` (source
+  None; "checkpoint_step" in the results), else of `source`'s weights (`initial_model`)."""
+  from longformer_jax.training.task import restore
+  head = {}
+  if source is None:
+    model, step, _ = restore(
+        lambda config, rngs, mesh=None, seq_axis=None: MODEL_CLASSES[task](
+            config, rngs=rngs, mesh=mesh, seq_axis=seq_axis), cfg, workdir, mesh)
+    head = {"checkpoint_step": step}
+  else:
+    model = initial_model(task, source, cfg, mesh)
+  evaluation = score_splits(model, splits, global_attention=global_attention, options=options,
+                            cfg=cfg, mesh=mesh, progress=progress)
+  return FinalEvaluation({**head, **evaluation.results}, evaluation.files, evaluation.lines)
 
 
 def _is_head(path: tuple) -> bool:
@@ -1038,7 +1075,8 @@ def initial_params(source: ModelSource, model: nnx.Module) -> dict[str, Any]:
 
 __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
-    "ModelSource", "MultipleChoice", "PRESETS", "QuestionAnswering", "Tagging", "best_spans",
-    "get_kind", "initial_params", "load_source", "macro_f1", "normalize_answer", "predict",
-    "register", "score", "span_answer", "squad_scores", "tagging_scores",
+    "ModelSource", "MultipleChoice", "QuestionAnswering", "Tagging", "best_spans",
+    "evaluate_only", "get_kind", "initial_model", "initial_params", "load_source", "macro_f1",
+    "normalize_answer", "predict", "register", "score", "score_splits", "span_answer",
+    "squad_scores", "tagging_scores",
 ]

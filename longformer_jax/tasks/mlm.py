@@ -50,7 +50,8 @@ from longformer_jax.training import examples
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.sources import open_model_dir
-from longformer_jax.training.task import Batches, Task
+from longformer_jax.training import presets
+from longformer_jax.training.task import Batches, FinalEvaluation, Task
 
 MASK_RATE = 0.15           # RoBERTa's (and BERT's) share of tokens predicted
 MASK_REPLACE = (0.8, 0.1)  # of those: <mask>, a random token; the rest (0.1) stay unchanged
@@ -181,19 +182,11 @@ class MaskedBatches:
 # Evaluation.
 
 
-@functools.lru_cache(maxsize=16)
-def _nll_sums_fn(graphdef, pad_id: int, num_predictions: int):
-  """One jitted scorer per model structure: evaluating every N steps reuses the compile."""
-
-  @jax.jit
-  def nll_sums(state, input_ids_BxN, labels_BxN):
-    model = nnx.merge(graphdef, state)
-    model.eval()  # no dropout (this merged copy only)
-    nll_BxP, weights_BxP = masked_lm_nll(model, input_ids_BxN, labels_BxN, pad_id=pad_id,
-                                         num_predictions=num_predictions)
-    return jnp.sum(nll_BxP), jnp.sum(weights_BxP)
-
-  return nll_sums
+def _masked_nll(model, batch, *, pad_id: int, num_predictions: int):
+  """Per-prediction NLL and weights of a batch, dropout off (`examples.nll_sums_fn`)."""
+  model.eval()  # no dropout (the scorer's merged copy only)
+  return masked_lm_nll(model, batch["input_ids"], batch["labels"], pad_id=pad_id,
+                       num_predictions=num_predictions)
 
 
 def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: int,
@@ -222,7 +215,8 @@ def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: i
   multiple = examples.row_multiple(mesh)
   batch_size = -(-batch_size // multiple) * multiple
   graphdef, state = nnx.split(model)
-  nll_sums = _nll_sums_fn(graphdef, specials.pad, max_predictions(seq_len, rate))
+  nll_sums = examples.nll_sums_fn(_masked_nll, graphdef, pad_id=specials.pad,
+                                  num_predictions=max_predictions(seq_len, rate))
   starts = range(0, len(rows_RxN), batch_size)
   starts = examples.progress(starts, len(starts), "eval mlm", "batch", progress)
   total_nats, targets = 0.0, 0
@@ -233,7 +227,7 @@ def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: i
     ids_BxN[:len(input_ids[chunk])] = input_ids[chunk]
     labels_BxN[:len(labels[chunk])] = labels[chunk]
     batch = examples.put_batch({"input_ids": ids_BxN, "labels": labels_BxN}, mesh, rules)
-    nats, count = nll_sums(state, batch["input_ids"], batch["labels"])
+    nats, count = nll_sums(state, batch)
     total_nats += float(nats)  # summed on the host in float64
     targets += int(round(float(count)))
   if targets == 0:
@@ -359,6 +353,21 @@ class MLMTask(Task):
   def train_metrics(self, loss: float) -> dict[str, float]:
     return {"train_bits_per_token": loss / math.log(2)}
 
+  def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
+                       progress: bool = False) -> FinalEvaluation:
+    """`evaluate_mlm_run` of the run's newest checkpoint with `cfg.final_eval`'s settings."""
+    if cfg.final_eval is None:
+      return FinalEvaluation({})
+    result = evaluate_mlm_run(workdir, mesh=mesh, progress=progress, **cfg.final_eval)
+    return FinalEvaluation({"eval": result}, lines=(f"{cfg.dataset} {describe(result)}",))
+
+
+def describe(result: dict[str, Any]) -> str:
+  """One line for an `evaluate_mlm_run` result."""
+  bpc = f", {result['bpc']:.4f} bpc" if "bpc" in result else ""
+  return (f"{result['split']}: loss {result['loss']:.4f}, {result['bits_per_token']:.4f} bits "
+          f"per masked token{bpc}")
+
 
 def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
                      mesh: Mesh | None = None, max_tokens: int | None = None,
@@ -367,17 +376,13 @@ def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
   verifies) on a split of its dataset, with the run's tokenizer (<workdir>/tokenizer.json), seed,
   masking rate and the last stage's sequence length. Reads the parameters only."""
   from etils import epath
-  from longformer_jax import checkpoint
   from longformer_jax.training.config import config_from_record, read_run_config
-  from longformer_jax.training.sharding import make_mesh, param_shardings, seq_axis
+  from longformer_jax.training.sharding import make_mesh
+  from longformer_jax.training.task import restore
   workdir = epath.Path(workdir)
   cfg = read_run_config(workdir)
   mesh = make_mesh((-1, 1)) if mesh is None else mesh
-  model, step, meta = checkpoint.restore_model_and_meta(
-      lambda: LongformerForMaskedLM(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
-                                    seq_axis=seq_axis(mesh)),
-      workdir, step=step,
-      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
+  model, step, meta = restore(LongformerForMaskedLM, cfg, workdir, mesh, step=step)
   run = config_from_record(meta["run"], f"step {step} meta")  # the stages may have grown
   tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
   task = MLMTask(tokenizer, rate=meta["run"]["data"]["mask_rate"])
@@ -475,17 +480,16 @@ def mlm_tiny() -> TrainConfig:
       final_eval=dict(split="test", max_tokens=65_536, batch_size=8))
 
 
-PRESETS = {"mlm_paper": mlm_paper, "mlm_paper_large": functools.partial(mlm_paper, large=True),
-           "mlm_tiny": mlm_tiny}
+presets.register("mlm", "mlm_paper", mlm_paper)
+presets.register("mlm", "mlm_paper_large", functools.partial(mlm_paper, large=True))
+presets.register("mlm", "mlm_tiny", mlm_tiny)
 # Presets that continue a pretrained model (their learning rate is a fine-tuning one).
 NEEDS_INIT = ("mlm_paper", "mlm_paper_large")
 
 
 def preset(name: str) -> TrainConfig:
-  """The TrainConfig of a named preset (`PRESETS`)."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown preset {name!r}; presets: {sorted(PRESETS)}")
-  return PRESETS[name]()
+  """The TrainConfig of a named MLM preset (`training.presets`)."""
+  return presets.get("mlm", name)
 
 
 def keep_compute_settings(pretrained: LongformerConfig, preset_model: LongformerConfig
@@ -497,7 +501,7 @@ def keep_compute_settings(pretrained: LongformerConfig, preset_model: Longformer
 
 
 __all__ = [
-    "MASK_RATE", "MLMTask", "MaskedBatches", "NEEDS_INIT", "PRESETS", "TOKENIZER_FILE",
+    "MASK_RATE", "MLMTask", "MaskedBatches", "NEEDS_INIT", "TOKENIZER_FILE",
     "check_params_fit", "evaluate_mlm",
     "evaluate_mlm_run", "keep_compute_settings", "load_pretrained", "mask_tokens",
     "masked_lm_nll", "max_predictions", "mlm_paper", "mlm_tiny", "preset",

@@ -44,8 +44,9 @@ from longformer_jax.data.tokenizer import check_tokenizer as check_tokenizer
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training import examples
 from longformer_jax.training.sharding import LOGICAL_RULES
-from longformer_jax.training.sources import host_params, open_model_dir, params_fingerprint
-from longformer_jax.training.task import Batches, Task
+from longformer_jax.training.sources import ModelSource
+from longformer_jax.training.sources import load_source as load_source_of
+from longformer_jax.training.task import Batches, FinalEvaluation, Task
 
 # HF's label padding: positions whose label is this are not scored (and `shift_tokens_right`
 # turns them into the pad token in the decoder input).
@@ -56,7 +57,6 @@ GENERATE_ARGS = ("max_new_tokens", "num_beams", "do_sample", "temperature", "top
                  "length_penalty", "early_stopping", "no_repeat_ngram_size", "min_length",
                  "forced_bos_token_id", "forced_eos_token_id", "seed")
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
-PRESETS = ("tiny", "base", "large")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -215,18 +215,6 @@ def target_nll(model: led.LEDForConditionalGeneration, batch: Mapping[str, jax.A
   return jnp.where(real_BxT, nll_BxT, 0.0), real_BxT.astype(jnp.float32)
 
 
-@functools.lru_cache(maxsize=8)
-def _nll_sums_fn(graphdef, max_global: int):
-  """One jitted scorer per model structure: validation every N steps reuses the compilation."""
-
-  @jax.jit
-  def nll_sums(state, batch):
-    nll_BxT, real_BxT = target_nll(nnx.merge(graphdef, state), batch, max_global=max_global)
-    return jnp.sum(nll_BxT), jnp.sum(real_BxT)
-
-  return nll_sums
-
-
 def evaluate_loss(model: led.LEDForConditionalGeneration, split: Seq2SeqSplit, *,
                   global_attention: GlobalAttention, batch_size: int = 8,
                   max_examples: int | None = None, mesh: Mesh | None = None,
@@ -236,7 +224,8 @@ def evaluate_loss(model: led.LEDForConditionalGeneration, split: Seq2SeqSplit, *
   model = nnx.merge(*nnx.split(model))  # a copy to switch to evaluation mode
   model.eval()
   graphdef, state = nnx.split(model)
-  scorer = _nll_sums_fn(graphdef, global_attention.max_count(split.sources))
+  scorer = examples.nll_sums_fn(target_nll, graphdef,
+                                max_global=global_attention.max_count(split.sources))
   num = len(split) if max_examples is None else min(max_examples, len(split))
   total, count = 0.0, 0.0
   for rows, real in examples.row_batches(num, batch_size, mesh):
@@ -250,19 +239,6 @@ def evaluate_loss(model: led.LEDForConditionalGeneration, split: Seq2SeqSplit, *
 
 # ----------------------------------------------------------------------------------------------
 # The task
-
-
-class _PairBatches(text.ExampleSampler):
-  """The training batches of a split, in `ExampleSampler` order (its state() and load_state())."""
-
-  def __init__(self, split: Seq2SeqSplit, *, pad_token_id: int,
-               global_attention: GlobalAttention, **sampler_args):
-    super().__init__(len(split), **sampler_args)
-    self._split = split
-    self._args = dict(pad_token_id=pad_token_id, global_attention=global_attention)
-
-  def __next__(self) -> dict[str, np.ndarray]:
-    return training_batch(self._split, super().__next__(), **self._args)
 
 
 class Seq2SeqTask(Task):
@@ -283,13 +259,15 @@ class Seq2SeqTask(Task):
 
   def __init__(self, train: Seq2SeqSplit, validation: Seq2SeqSplit | None = None, *,
                global_attention: GlobalAttention = GlobalAttention(),
-               identity: Mapping[str, Any] | None = None):
+               identity: Mapping[str, Any] | None = None, test: Seq2SeqSplit | None = None,
+               tokenizer=None):
     splits = [s for s in (train, validation) if s is not None]
     lengths = {(s.max_source_length, s.max_target_length) for s in splits}
     if len(lengths) > 1:
       raise ValueError(f"the splits were tokenized with different (max_source_length, "
                        f"max_target_length): {sorted(lengths)}")
-    self.train, self.validation = train, validation
+    self.train, self.validation, self.test = train, validation, test
+    self.tokenizer = tokenizer
     self.global_attention = global_attention
     self.max_global = max(global_attention.max_count(s.sources) for s in splits)
     self._identity = dict(identity or {})
@@ -339,10 +317,11 @@ class Seq2SeqTask(Task):
 
   def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
               process_count: int) -> Batches:
-    return _PairBatches(
-        self.train, pad_token_id=cfg.model.pad_token_id, global_attention=self.global_attention,
-        global_batch_size=cfg.stages[stage_index].batch_size, seed=cfg.seed + stage_index,
-        process_index=process_index, process_count=process_count)
+    make = functools.partial(training_batch, self.train, pad_token_id=cfg.model.pad_token_id,
+                             global_attention=self.global_attention)
+    return examples.ExampleBatches(
+        make, range(len(self.train)), global_batch_size=cfg.stages[stage_index].batch_size,
+        seed=cfg.seed + stage_index, process_index=process_index, process_count=process_count)
 
   def evaluate(self, model, cfg: TrainConfig, stage_index: int, mesh: Mesh) -> dict[str, float]:
     if self.validation is None:
@@ -353,6 +332,43 @@ class Seq2SeqTask(Task):
         model, self.validation, global_attention=self.global_attention,
         batch_size=cfg.eval_batch_size, max_examples=limit, mesh=mesh,
         rules=cfg.logical_rules)}
+
+
+  def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
+                       progress: bool = False) -> FinalEvaluation:
+    """Outputs generated for the validation and test splits by the run's newest checkpoint
+    (`cfg.final_eval`: `GENERATE_ARGS` and batch_size), scored with ROUGE; files
+    predictions_<split>.jsonl. Needs the task's tokenizer."""
+    model, _, _ = self.restore(cfg, workdir, mesh)
+    generation = dict(cfg.final_eval or {})
+    batch_size = generation.pop("batch_size", cfg.eval_batch_size)
+    results, files, lines = {"generation": generation}, {}, []
+    for name, split in (("validation", self.validation), ("test", self.test)):
+      if split is None:
+        continue
+      predictions = generate_split(
+          model, split, self.tokenizer, global_attention=self.global_attention,
+          batch_size=batch_size, mesh=mesh, rules=cfg.logical_rules, progress=progress,
+          **generation)
+      scores = rouge(predictions, split.references)
+      results[name] = {**scores, "pairs": len(split)}
+      files[f"predictions_{name}.jsonl"] = predictions_jsonl(split, predictions)
+      lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
+    return FinalEvaluation(results, files, tuple(lines))
+
+
+def check_generation(cfg: TrainConfig) -> None:
+  """ValueError naming a `cfg.final_eval` setting that generation does not take, or a
+  max_new_tokens outside the decoder's positions."""
+  settings = dict(cfg.final_eval or {})
+  unknown = sorted(set(settings) - set(GENERATE_ARGS) - {"batch_size"})
+  if unknown:
+    raise ValueError(f"final_eval has unknown generation settings {unknown}; known: "
+                     f"{['batch_size', *GENERATE_ARGS]}")
+  new, most = settings.get("max_new_tokens", 1), cfg.model.max_decoder_position_embeddings
+  if not isinstance(new, int) or not 1 <= new <= most:
+    raise ValueError(f"max_new_tokens={new!r} must be an int in [1, "
+                     f"max_decoder_position_embeddings={most}]")
 
 
 def check_token_ids(split: Seq2SeqSplit, vocab_size: int) -> None:
@@ -369,16 +385,6 @@ def check_token_ids(split: Seq2SeqSplit, vocab_size: int) -> None:
 
 # ----------------------------------------------------------------------------------------------
 # The model to start from
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSource:
-  """An LED to fine-tune: its config, its weights (a pure dict of host arrays; None for a
-  preset, initialised from the run's seed) and the JSON identity of both (`kind`, and the
-  weights' checksum: a resume from other weights is refused)."""
-  config: LEDConfig
-  params: dict[str, Any] | None
-  identity: dict[str, Any]
 
 
 def load_source(spec: str, tokenizer=None, *, bart_positions: int = 16384,
@@ -400,17 +406,16 @@ def load_source(spec: str, tokenizer=None, *, bart_positions: int = 16384,
   Raises FileNotFoundError / ValueError naming what is wrong.
   """
   from longformer_jax import convert
-  if spec in PRESETS and not os.path.exists(spec):
+
+  def preset(name):
     if tokenizer is None:
-      raise ValueError(f"the preset {spec!r} takes its vocabulary from a tokenizer; give one")
+      raise ValueError(f"the preset {name!r} takes its vocabulary from a tokenizer; give one")
     eos = token_id(tokenizer, "</s>")
-    config = getattr(LEDConfig, spec)(
+    return getattr(LEDConfig, name)(
         vocab_size=tokenizer.get_vocab_size(), pad_token_id=token_id(tokenizer, "<pad>"),
         bos_token_id=token_id(tokenizer, "<s>"), eos_token_id=eos,
         decoder_start_token_id=eos)
-    return ModelSource(config, None, {"kind": "preset", "preset": spec})
-  if not os.path.isdir(spec):
-    raise FileNotFoundError(f"--model {spec!r} is neither a preset {PRESETS} nor a directory")
+
   hf = {"led": functools.partial(convert.from_hf, model_class=led.LEDForConditionalGeneration),
         "bart": functools.partial(convert.bart_to_led, max_positions=bart_positions,
                                   window=bart_window)}
@@ -421,13 +426,10 @@ def load_source(spec: str, tokenizer=None, *, bart_positions: int = 16384,
       raise ValueError(f"{spec} is a run of a {type(cfg.model).__name__} model, not an LED")
     return led.LEDForConditionalGeneration
 
-  kind, model = open_model_dir(spec, hf, workdir_class)
-  if not isinstance(model, led.LEDForConditionalGeneration):
-    raise ValueError(f"{spec} holds a {type(model).__name__}; fine-tuning needs an "
-                     f"LEDForConditionalGeneration")
-  params = host_params(model)
-  return ModelSource(model.config, params,
-                     {"kind": kind, "params_sha256": params_fingerprint(params)})
+  return load_source_of(
+      spec, LEDConfig, preset, hf, workdir_class,
+      accept=lambda model: isinstance(model, led.LEDForConditionalGeneration),
+      expected="an LEDForConditionalGeneration (fine-tuning needs one)")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The training engine: staged, mesh-sharded training with exact Orbax resume, for any `Task`
-(the tasks themselves live in `longformer_jax.tasks`; the entry points in train/ run them).
+(the tasks live in `longformer_jax.tasks`; the entry points, `longformer_jax.cli`, run them).
 
   config     Stage, TrainConfig, paper_stages, run_config.json
   identity   what a run is fixed to: check_resume, RunMismatchError
@@ -7,9 +7,12 @@
   schedule   the learning-rate schedule and the optimizer
   sharding   the (data, fsdp, seq) mesh, logical axis rules, parameter and batch shardings
   metrics    metrics.jsonl / TensorBoard and the curves plot
-  task       Task: what a model family supplies (model, loss, batches, validation)
-  sources    where a run's starting weights come from: any model directory, their checksum
-  examples   scoring whole examples on a mesh: row batches, placement, progress
+  task       Task: what a model family supplies (model, loss, batches, validation, restore,
+             final evaluation)
+  presets    named TrainConfig presets per task (`--preset NAME`)
+  sources    where a run's starting weights come from: ModelSource, load_source, checksums
+  examples   whole examples: ExampleBatches for training; row batches, placement, the jitted
+             NLL scorer and progress for evaluation on a mesh
   loop       TrainState, Trainer, train()
 """
 
@@ -24,10 +27,10 @@ from longformer_jax.training.overrides import apply_overrides
 from longformer_jax.training.schedule import learning_rate_schedule, make_optimizer
 from longformer_jax.training.sharding import (
     LOGICAL_RULES, batch_sharding, logical_to_mesh, make_mesh, param_shardings)
-from longformer_jax.training.task import Batches, Task
+from longformer_jax.training.task import Batches, FinalEvaluation, Task
 
 __all__ = [
-    "Batches", "LOGICAL_RULES", "MetricsLog", "NonFiniteLossError",
+    "Batches", "FinalEvaluation", "LOGICAL_RULES", "MetricsLog", "NonFiniteLossError",
     "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "RunMismatchError", "Stage", "Task", "TrainConfig",
     "TrainState", "Trainer", "apply_overrides", "batch_sharding", "check_resume",
     "config_from_record", "config_record", "learning_rate_schedule", "logical_to_mesh", "make_mesh",

@@ -71,7 +71,7 @@ class TrainConfig:
   microbatch_size: sequences per gradient-accumulation step (global); None: no accumulation.
   eval_tokens: validation tokens scored at each evaluation; None: the whole split.
   final_eval: keyword arguments of the evaluation that the entry point runs after training
-    (train/charlm.py: `tasks.charlm.evaluate_run`'s, plus `split`); None: skip it.
+    (`Task.final_evaluation`, e.g. `tasks.charlm.evaluate_run`'s plus `split`); None: skip it.
   """
   model: Any
   stages: tuple[Stage, ...]

@@ -13,18 +13,58 @@ no row is all padding (a fully padded row has no key to attend to); callers drop
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
+from longformer_jax.data.text import ExampleSampler
 from longformer_jax.training.sharding import LOGICAL_RULES, batch_axes, batch_sharding
 
-__all__ = ["progress", "put_batch", "row_batches", "row_multiple", "to_host"]
+__all__ = ["ExampleBatches", "nll_sums_fn", "progress", "put_batch", "row_batches",
+           "row_multiple", "to_host"]
+
+
+def nll_sums_fn(nll: Callable[..., tuple[jax.Array, jax.Array]], graphdef, **static
+                ) -> Callable[[Any, Mapping[str, jax.Array]], tuple[jax.Array, jax.Array]]:
+  """The jitted scorer of every evaluation: (model state, batch) -> (sum of the negative
+  log-likelihoods, sum of their weights) over the batch, for `nll(model, batch, **static)`, which
+  returns per-position (nll, weights) arrays with the nll already weighted (0 where nothing is
+  scored). One compilation per (nll, model structure, static settings): evaluating every N
+  training steps reuses it. Callers sum the results on the host in float64."""
+  return _nll_sums_fn(nll, graphdef, tuple(sorted(static.items())))
+
+
+@functools.lru_cache(maxsize=32)
+def _nll_sums_fn(nll, graphdef, static):
+
+  @jax.jit
+  def nll_sums(state, batch):
+    nll_sum, weights = nll(nnx.merge(graphdef, state), batch, **dict(static))
+    return jnp.sum(nll_sum), jnp.sum(weights)
+
+  return nll_sums
+
+
+class ExampleBatches(ExampleSampler):
+  """Training `Batches` of whole examples: the sampler's order over `rows` (the indices of the
+  examples trained on), each batch `make(rows of the batch)`'s host arrays; state() and
+  load_state() are the sampler's (`data.text.ExampleSampler`: global_batch_size, seed,
+  process_index, process_count)."""
+
+  def __init__(self, make: Callable[[list[int]], dict[str, np.ndarray]], rows: Sequence[int],
+               **sampler_args):
+    super().__init__(len(rows), **sampler_args)
+    self._make, self._rows = make, list(rows)
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return self._make([self._rows[i] for i in super().__next__()])
 
 
 def row_multiple(mesh: Mesh | None) -> int:

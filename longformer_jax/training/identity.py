@@ -4,7 +4,7 @@ A run is stored as a record: the `TrainConfig` as JSON (`config_record`) plus a 
 its training data (`Task.data_identity`). The record is written once, to
 `<workdir>/run_config.json`, when the run starts, and with every checkpoint (the settings that
 produced it). A resume is compared with the record of the checkpoint it continues from, before
-anything is written (`check_resume`); every difference is sorted into one of three kinds:
+anything is written (`check_resume`); every difference is sorted into one of four kinds:
 
   * free, never reported: how the run is executed, logged, checkpointed and evaluated
     (`FREE`: the mesh, gradient accumulation, log/eval/checkpoint intervals, final_eval, ...);

@@ -1,15 +1,18 @@
 """Where the weights of a run come from: any model directory, whatever wrote it, opened the one
-way every entry point does (`train.mlm`, `train.finetune`, `train.seq2seq`), and the checksum
+way every entry point does (`train.mlm`, `train.finetune`, `train.seq2seq`: `load_source`,
+`ModelSource`, with the presets of `MODEL_PRESETS`), and the checksum
 that names those weights in a run's identity (a resume from other weights is refused).
 
     kind, model = sources.open_model_dir(path, {"longformer": convert.from_hf}, workdir_class)
     identity = {"kind": kind, "params_sha256": sources.params_fingerprint(host_params)}
+    source = sources.load_source(spec, LongformerConfig, preset_config, hf, workdir_class)
 
 Nothing is downloaded: an HF model is a local directory (`save_pretrained`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -22,7 +25,48 @@ from flax import nnx
 
 from longformer_jax.training.config import TrainConfig
 
-__all__ = ["host_params", "open_model_dir", "params_fingerprint"]
+__all__ = ["MODEL_PRESETS", "ModelSource", "host_params", "load_source", "open_model_dir",
+           "params_fingerprint"]
+
+# The model presets a `--model` may name instead of a directory: fresh weights of a config
+# family's `tiny`, `base` or `large` shape.
+MODEL_PRESETS = ("tiny", "base", "large")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """A model to start a run from: its config, its weights (a pure dict of host arrays in its own
+  class's structure; None for a preset, initialised from the run's seed), the name of that class
+  (None for a preset), and the JSON identity of both (`kind`, and the weights' checksum: a
+  resume from other weights is refused)."""
+  config: Any
+  params: dict[str, Any] | None
+  model_class: str | None
+  identity: dict[str, Any]
+
+
+def load_source(spec: str, config_class: type, preset: Callable[[str], Any],
+                hf: Mapping[str, Callable[[str], nnx.Module]],
+                workdir_class: Callable[[dict[str, Any], TrainConfig], type[nnx.Module]],
+                accept: Callable[[nnx.Module], bool] | None = None,
+                expected: str | None = None) -> ModelSource:
+  """The model named by `spec`: a preset of `MODEL_PRESETS` (`preset(name)` gives its config;
+  fresh weights), else a directory (`open_model_dir` with `hf` and `workdir_class`) whose model
+  has a `config_class` config and passes `accept` (default: any). Raises FileNotFoundError /
+  ValueError naming what is wrong (`expected`: what the model should be, for the message)."""
+  if spec in MODEL_PRESETS and not os.path.exists(spec):
+    return ModelSource(preset(spec), None, None, {"kind": "preset", "preset": spec})
+  if not os.path.isdir(spec):
+    raise FileNotFoundError(f"--model {spec!r} is neither a preset {MODEL_PRESETS} nor a "
+                            f"directory")
+  kind, model = open_model_dir(spec, hf, workdir_class)
+  if (not isinstance(getattr(model, "config", None), config_class)
+      or (accept is not None and not accept(model))):
+    raise ValueError(f"{spec} holds a {type(model).__name__}; expected "
+                     f"{expected or 'a model of a ' + config_class.__name__}")
+  params = host_params(model)
+  identity = {"kind": kind, "params_sha256": params_fingerprint(params)}
+  return ModelSource(model.config, params, type(model).__name__, identity)
 
 
 def open_model_dir(spec: str | os.PathLike, hf: Mapping[str, Callable[[str], nnx.Module]],

@@ -1,16 +1,18 @@
 """`Task`: what the training loop needs to know about one kind of model and data.
 
 The loop (`training.loop`), the sharding, the checkpoints and the metrics are the same for every
-model; a task supplies the rest. `tasks.CharLMTask` is the character-level LM; a masked
-LM or a seq2seq task subclasses `Task` the same way, e.g.
+model; a task supplies the rest (`longformer_jax.tasks`: CharLMTask, MLMTask, FinetuneTask,
+Seq2SeqTask), e.g. a masked LM:
 
-    class MaskedLMTask(Task):
+    class MLMTask(Task):
       def build_model(self, config, rngs, mesh=None, seq_axis=None):
         return LongformerForMaskedLM(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
       def loss(self, model, batch, stage, dropout_key):
         ...  # mean masked-token cross-entropy of batch["input_ids"], batch["labels"]
       def batches(self, cfg, stage_index, *, process_index, process_count):
         ...  # an iterator of {"input_ids": ..., "labels": ...} with state()/load_state()
+      def final_evaluation(self, cfg, workdir, mesh, *, progress=False):
+        ...  # the test split's metrics of the run's newest checkpoint (`self.restore`)
 
 Batches are dicts of NumPy arrays whose leading axis is this process's rows of the global batch
 (`stage.batch_size / process_count` of them); the loop assembles the global batch and splits it
@@ -20,7 +22,8 @@ over the mesh's `batch` axes, and the length of [batch, length] arrays over its 
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Mapping
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol
 
 import jax
@@ -42,6 +45,29 @@ class Batches(Protocol):
   def state(self) -> dict[str, Any]: ...
 
   def load_state(self, state: Mapping[str, Any]) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class FinalEvaluation:
+  """What a task's final evaluation reports: `results`, merged into the run's results.json;
+  `files` (name -> text), written beside it, each whole or not at all; `lines`, printed."""
+  results: dict[str, Any]
+  files: dict[str, str] = dataclasses.field(default_factory=dict)
+  lines: tuple[str, ...] = ()
+
+
+def restore(build_model: Callable[..., nnx.Module], cfg: TrainConfig, workdir, mesh: Mesh, *,
+            step: int | None = None) -> tuple[nnx.Module, int, dict[str, Any]]:
+  """(model, step, meta) of a run's checkpoint `step` (default: the newest that restores and
+  verifies; damaged ones are skipped with a warning): `build_model(cfg.model, rngs=, mesh=,
+  seq_axis=)` built for `mesh`, with the checkpoint's parameters and nothing else (no optimizer
+  state), sharded by the run's logical rules; meta: the settings saved with the checkpoint."""
+  from longformer_jax import checkpoint
+  from longformer_jax.training.sharding import param_shardings, seq_axis
+  return checkpoint.restore_model_and_meta(
+      lambda: build_model(cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh, seq_axis=seq_axis(mesh)),
+      workdir, step=step,
+      shardings=lambda params: param_shardings(params, mesh, cfg.logical_rules))
 
 
 class Task(abc.ABC):
@@ -92,6 +118,18 @@ class Task(abc.ABC):
     """Metrics derived from a step's loss, logged next to `train_loss` (default: none)."""
     del loss
     return {}
+
+  def restore(self, cfg: TrainConfig, workdir, mesh: Mesh, *, step: int | None = None
+              ) -> tuple[nnx.Module, int, dict[str, Any]]:
+    """(model, step, meta) of this run's checkpoint (`restore` with `build_model`)."""
+    return restore(self.build_model, cfg, workdir, mesh, step=step)
+
+  def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
+                       progress: bool = False) -> FinalEvaluation:
+    """What the entry point runs after training (and with --eval-only): the run's checkpoint
+    scored on held-out data, as `cfg.final_eval` says (default: nothing)."""
+    del cfg, workdir, mesh, progress
+    return FinalEvaluation({})
 
 
 def dict_batches(batches: Iterator[tuple[np.ndarray, ...]], names: tuple[str, ...]) -> Batches:

@@ -1,0 +1,426 @@
+"""The one driver of every entry point: its command line, its settings, its exit status.
+
+A training command (`TrainCommand`) resolves its settings in one order, whatever the task:
+
+  1. the base `TrainConfig`: a config file (`--config path.py`, whose `get_config()` returns
+     one), a named preset (`--preset NAME`, `training.presets`), or the command's own flags
+     (fine-tuning and seq2seq build it from `--model` and the data);
+  2. the command's shorthand flags (e.g. `--steps`, `--data`), which set config fields;
+  3. `--set path=value` overrides (`training.apply_overrides`, parsed to the field types); a path
+     whose first name is a field of the task's options (`TrainCommand.options_class`) sets that
+     instead, so the task's settings beside the TrainConfig take `--set` the same way.
+
+`--print-config` prints the resolved settings as JSON and exits 0, writing nothing; `--help`
+lists every setting with its type and default. Then the run: the mesh, `training.train` with
+the task, the task's final evaluation (`Task.final_evaluation`) and results.json, each file
+written whole or not at all by process 0.
+
+Exit status, the same for every command (eval commands too):
+
+  0   done
+  1   the run failed: one `error: ...` line on stderr (settings that differ from the run's, a
+      diverging loss, a failed save, no checkpoint that restores)
+  2   a bad command line, setting or input: one `<prog>: error: ...` line naming it
+  75  preempted (SIGTERM) after saving its step: rerun the same command to resume
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+import time
+import types
+import typing
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+# After SIGTERM once the step is saved (sysexits' EX_TEMPFAIL: "try again later").
+EXIT_PREEMPTED = 75
+
+# Exceptions that mean the command line, a setting or an input file is wrong: status 2.
+USAGE_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError)
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line
+
+
+class Parser(argparse.ArgumentParser):
+  """argparse, with every error in one line, `<prog>: error: <message>`, and status 2 (no usage
+  text, which says nothing about the value)."""
+
+  def __init__(self, prog: str, doc: str | None, **kwargs):
+    super().__init__(prog=prog, description=doc,
+                     formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+
+  def error(self, message: str) -> typing.NoReturn:
+    self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _bounded(cast: Callable[[str], Any], ok: Callable[[Any], bool], rule: str):
+  """An argparse type: `cast(text)`, refused unless `ok(value)`; errors name the value."""
+  def parse(text: str):
+    try:
+      value = cast(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"expected {cast.__name__}, got {text!r}") from None
+    if not ok(value):
+      raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+    return value
+  parse.__name__ = f"{cast.__name__} {rule}"
+  return parse
+
+
+# argparse types that name a bad value.
+positive_int = _bounded(int, lambda v: v >= 1, ">= 1")
+nonnegative_int = _bounded(int, lambda v: v >= 0, ">= 0")
+positive_float = _bounded(float, lambda v: v > 0, "> 0")  # nan is not > 0
+
+
+def load_config(path: str):
+  """`get_config()` of a config file, imported by path."""
+  spec = importlib.util.spec_from_file_location(f"config_{Path(path).stem}", path)
+  if spec is None or spec.loader is None:
+    raise ValueError(f"cannot import a config from {path!r}")
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+  except FileNotFoundError:
+    raise FileNotFoundError(f"--config {path}: no such file") from None
+  if not callable(getattr(module, "get_config", None)):
+    raise ValueError(f"--config {path} defines no get_config()")
+  return module.get_config()
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+  """--distributed and the three values `training.maybe_initialize_distributed` passes on."""
+  group = parser.add_argument_group("distributed (several processes)")
+  group.add_argument("--distributed", default="auto", choices=("auto", "on", "off"),
+                     help="jax.distributed.initialize(): 'on' in every process of a "
+                          "multi-process run; 'auto' does it when the arguments or the "
+                          "environment name a cluster")
+  group.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                     help="process 0's address (default: $JAX_COORDINATOR_ADDRESS; found "
+                          "automatically on TPU slices, SLURM and Open MPI)")
+  group.add_argument("--num-processes", type=int, default=None,
+                     help="processes in the run (default: $JAX_NUM_PROCESSES or detected)")
+  group.add_argument("--process-id", type=int, default=None,
+                     help="this process, 0..num_processes-1 (default: $JAX_PROCESS_ID or "
+                          "detected)")
+
+
+def initialize_distributed(args: argparse.Namespace) -> None:
+  """`training.maybe_initialize_distributed` with the flags of `add_distributed_args`."""
+  from longformer_jax import training
+  training.maybe_initialize_distributed(
+      args.distributed, coordinator_address=args.coordinator_address,
+      num_processes=args.num_processes, process_id=args.process_id)
+
+
+def _type_name(annotation: Any) -> str:
+  if annotation is type(None):
+    return "None"
+  if isinstance(annotation, str):
+    return annotation
+  if isinstance(annotation, type) and not typing.get_args(annotation):
+    return annotation.__name__
+  if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+    return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+  return str(annotation).replace("typing.", "")
+
+
+def settings_help(*groups: tuple[str, type]) -> str:
+  """The fields of settings dataclasses, one line each (`prefix.name: type = default`), for a
+  command's --help; groups: (path prefix, dataclass)."""
+  lines = ["settings (--set PATH=VALUE; --print-config shows the resolved values):"]
+  for prefix, cls in groups:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+      if f.default is not dataclasses.MISSING:
+        default = f" = {f.default!r}"
+      elif f.default_factory is not dataclasses.MISSING:
+        default = f" = {f.default_factory()!r}"
+      else:
+        default = ""
+      lines.append(f"  {prefix}{f.name}: {_type_name(hints.get(f.name, f.type))}{default}")
+  return "\n".join(lines)
+
+
+def split_overrides(assignments: Sequence[str], options_class: type | None
+                    ) -> tuple[list[str], list[str]]:
+  """(assignments to `options_class`'s fields, the rest: TrainConfig's) of --set values."""
+  if options_class is None:
+    return [], list(assignments)
+  names = {f.name for f in dataclasses.fields(options_class)}
+  mine = [a for a in assignments if a.partition("=")[0].strip().split(".")[0] in names]
+  return mine, [a for a in assignments if a not in mine]
+
+
+def usage_error(parser: argparse.ArgumentParser, error: Exception) -> typing.NoReturn:
+  """Exits with status 2 and one line naming the bad value (no traceback)."""
+  parser.exit(EXIT_USAGE, f"{parser.prog}: error: {error}\n")
+
+
+def fail(error: Exception | str) -> int:
+  """One `error:` line on stderr (process 0) and status 1: an expected failure of a run says
+  all there is in one line (a traceback would bury it)."""
+  import jax
+  if jax.process_index() == 0:
+    print(f"error: {error}", file=sys.stderr)
+  return EXIT_FAILED
+
+
+def run_errors() -> tuple[type[Exception], ...]:
+  """Exceptions that end a run with status 1 (`fail`)."""
+  from longformer_jax import training
+  from longformer_jax.checkpoint import CheckpointError
+  return (training.RunMismatchError, training.NonFiniteLossError, CheckpointError)
+
+
+def write_files(workdir, files: dict[str, str]) -> None:
+  """Writes each file into `workdir` whole or not at all (process 0 only)."""
+  import jax
+  from longformer_jax.io import atomic_write
+  if jax.process_index() != 0:
+    return
+  workdir.mkdir(parents=True, exist_ok=True)
+  for name, content in files.items():
+    atomic_write(workdir / name, content)
+  print(f"wrote {', '.join(files)} in {workdir}")
+
+
+def print_json(value: Any) -> None:
+  print(json.dumps(value, indent=2, default=str))
+
+
+def add_print_config(parser: argparse.ArgumentParser) -> None:
+  """--print-config for a command whose settings are its flags (the eval commands)."""
+  parser.add_argument("--print-config", action="store_true",
+                      help="print the resolved settings as JSON and exit; reads and writes "
+                           "nothing")
+
+
+def printed_config(args: argparse.Namespace) -> bool:
+  """With --print-config: prints the flags' values as JSON and returns True."""
+  if not args.print_config:
+    return False
+  print_json({k: v for k, v in vars(args).items() if k != "print_config"})
+  return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Training commands
+
+
+@dataclasses.dataclass
+class Plan:
+  """What a training command runs once its settings are resolved.
+
+  task: the `Task` trained (None with `evaluate`).
+  results: the first entries of results.json (what the run is: the config, the model, ...).
+  init_params: the starting parameters, for `training.train` (None: from the seed).
+  evaluate: instead of training, a function of the mesh giving a `FinalEvaluation` (e.g.
+    fine-tuning's --eval-only).
+  lines: printed before the run (process 0).
+  """
+  task: Any = None
+  results: dict[str, Any] = dataclasses.field(default_factory=dict)
+  init_params: Callable[[], Any] | None = None
+  evaluate: Callable[[Any], Any] | None = None
+  lines: tuple[str, ...] = ()
+
+
+class TrainCommand(abc.ABC):
+  """One training entry point: its flags, how they resolve to settings, and its task.
+
+  Subclasses set `prog` and `doc`, and may set `preset_task` (the `training.presets` task name:
+  enables --preset), `default_preset`, `config_files` (enables --config) and `options_class` (a
+  frozen dataclass of the task's settings beside the TrainConfig).
+  """
+
+  prog: str
+  doc: str
+  preset_task: str | None = None
+  default_preset: str | None = None
+  config_files: bool = True
+  options_class: type | None = None
+
+  def add_arguments(self, parser: argparse.ArgumentParser) -> None:  # noqa: B027 (optional)
+    """The command's own flags (shorthands for settings, inputs)."""
+
+  def validate(self, parser: argparse.ArgumentParser,  # noqa: B027 (optional)
+               args: argparse.Namespace) -> None:
+    """Rejects flag combinations (`parser.error`)."""
+
+  def base_options(self, args: argparse.Namespace, workdir) -> Any:
+    """The task's settings before --set (default: `options_class()`)."""
+    return None if self.options_class is None else self.options_class()
+
+  def base_config(self, args: argparse.Namespace, options: Any, workdir):
+    """The TrainConfig before shorthands and --set, when neither --config nor --preset is
+    given (default: the default preset)."""
+    from longformer_jax.training import presets
+    if self.default_preset is None:
+      raise ValueError("give --config FILE" + (" or --preset NAME" if self.preset_task else ""))
+    return presets.get(self.preset_task, self.default_preset)
+
+  def shorthands(self, args: argparse.Namespace, cfg):
+    """`cfg` with the command's shorthand flags applied (default: as it is)."""
+    del args
+    return cfg
+
+  def finish_config(self, args: argparse.Namespace, cfg, options: Any, workdir):
+    """The final TrainConfig, after --set (e.g. a model's shape from a checkpoint); default:
+    `cfg`."""
+    del args, options, workdir
+    return cfg
+
+  @abc.abstractmethod
+  def default_workdir(self, args: argparse.Namespace) -> str:
+    """runs/<name> when --workdir is not given."""
+
+  @abc.abstractmethod
+  def plan(self, args: argparse.Namespace, cfg, options: Any, workdir) -> Plan:
+    """The task and what else the run needs; may read inputs and write into the workdir, but
+    only after --print-config has had its say. Raises a `USAGE_ERRORS` naming a bad input."""
+
+  # -- the driver
+
+  def parser(self) -> Parser:
+    from longformer_jax.training import Stage, TrainConfig
+    groups = [("", TrainConfig), ("stages.N.", Stage)]
+    if self.options_class is not None:
+      groups.append(("", self.options_class))
+    parser = Parser(self.prog, self.doc, epilog=settings_help(*groups))
+    if self.config_files or self.preset_task:
+      source = parser.add_mutually_exclusive_group()
+      if self.config_files:
+        source.add_argument("--config", default=None, metavar="FILE",
+                            help="a config file whose get_config() returns a TrainConfig")
+      if self.preset_task:
+        from longformer_jax.training import presets
+        self._import_task()
+        names = ", ".join(presets.names(self.preset_task))
+        source.add_argument("--preset", default=None, metavar="NAME",
+                            help=f"a named TrainConfig: {names} (default: "
+                                 f"{self.default_preset})")
+    parser.add_argument("--workdir", default=None,
+                        help="the run's directory (local or gs://); rerunning resumes it")
+    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
+                        help="set a setting (listed below), e.g. --set stages.0.steps=100")
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved settings as JSON and exit; writes nothing")
+    parser.add_argument("--allow-change", action="append", default=[], metavar="FIELD",
+                        help="on resume, let this optimiser/schedule setting differ from the "
+                             "run's, e.g. --allow-change stages.0.learning_rate (the model and "
+                             "data of a run never change)")
+    parser.add_argument("--skip-final-eval", action="store_true",
+                        help="train only: no final evaluation")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    self.add_arguments(parser)
+    add_distributed_args(parser)
+    return parser
+
+  def _import_task(self) -> None:
+    """Imports the task module that registers the presets."""
+    importlib.import_module(f"longformer_jax.tasks.{self.preset_task}")
+
+  def settings(self, args: argparse.Namespace, workdir) -> tuple[Any, Any]:
+    """(TrainConfig, options) of the command line, in the module docstring's order."""
+    from longformer_jax.training import apply_overrides, presets
+    option_sets, config_sets = split_overrides(args.set, self.options_class)
+    options = self.base_options(args, workdir)
+    if options is not None:
+      options = apply_overrides(options, option_sets)
+    if getattr(args, "config", None):
+      cfg = load_config(args.config)
+    elif getattr(args, "preset", None):
+      cfg = presets.get(self.preset_task, args.preset)
+    else:
+      cfg = self.base_config(args, options, workdir)
+    cfg = apply_overrides(self.shorthands(args, cfg), config_sets)
+    return self.finish_config(args, cfg, options, workdir), options
+
+  def resolve(self, argv: Sequence[str]) -> tuple[argparse.Namespace, Any, Any, Plan]:
+    """(args, TrainConfig, options, plan) of a command line; nothing is trained (tests)."""
+    from etils import epath
+    parser = self.parser()
+    args = parser.parse_args(argv)
+    self.validate(parser, args)
+    workdir = epath.Path(args.workdir or self.default_workdir(args))
+    cfg, options = self.settings(args, workdir)
+    return args, cfg, options, self.plan(args, cfg, options, workdir)
+
+  def main(self, argv: Sequence[str] | None = None) -> int:
+    parser = self.parser()
+    args = parser.parse_args(argv)
+    self.validate(parser, args)
+    # A multi-process run (a pod slice) initialises before any device use.
+    import jax
+    from etils import epath
+    from longformer_jax import training
+    initialize_distributed(args)
+    workdir = epath.Path(args.workdir or self.default_workdir(args))
+    try:
+      cfg, options = self.settings(args, workdir)
+      if args.print_config:
+        record = {"workdir": str(workdir), "config": training.config_record(cfg)}
+        if options is not None:
+          record["options"] = dataclasses.asdict(options)
+        print_json(record)
+        return EXIT_OK
+      plan = self.plan(args, cfg, options, workdir)
+    except USAGE_ERRORS as e:
+      usage_error(parser, e)
+    is_main = jax.process_index() == 0
+    if is_main:
+      print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
+      print(f"workdir: {workdir}")
+      for line in plan.lines:
+        print(line)
+    mesh = training.make_mesh(cfg.mesh_shape)
+    try:
+      return self._run(args, cfg, plan, workdir, mesh)
+    except run_errors() as e:
+      return fail(e)
+
+  def _run(self, args, cfg, plan: Plan, workdir, mesh) -> int:
+    import jax
+    from longformer_jax import training
+    progress = not args.no_progress
+    results = dict(plan.results)
+    if plan.evaluate is not None:
+      evaluation = plan.evaluate(mesh)
+    else:
+      start = time.perf_counter()
+      summary = training.train(cfg, workdir, plan.task, mesh=mesh, progress=progress,
+                               allow_changes=args.allow_change, init_params=plan.init_params)
+      if summary["status"] != "done":
+        # Saved; rerun the same command to resume. Not 0, so that a scheduler can tell a
+        # preempted run from a finished one.
+        return EXIT_PREEMPTED
+      results.update({"steps": summary["step"], "final_train_loss": summary["last_loss"],
+                      **{k: v for k, v in summary.items() if k.startswith("valid_")},
+                      "train_minutes_this_run":
+                          round((time.perf_counter() - start) / 60, 2)})
+      evaluation = None
+      if not args.skip_final_eval:
+        evaluation = plan.task.final_evaluation(cfg, workdir, mesh, progress=progress)
+    files = {}
+    if evaluation is not None:
+      results.update(evaluation.results)
+      files.update(evaluation.files)
+      if jax.process_index() == 0:
+        for line in evaluation.lines:
+          print(line)
+    files["results.json"] = json.dumps(results, indent=2) + "\n"
+    write_files(workdir, files)
+    return EXIT_OK

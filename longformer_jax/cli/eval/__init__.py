@@ -1,0 +1,1 @@
+"""Evaluation commands: `python -m eval.<name>` or `longformer-eval-<name>`."""

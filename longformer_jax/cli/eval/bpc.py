@@ -1,0 +1,116 @@
+"""Bits per character of a trained char-LM checkpoint, every character scored once.
+
+    python -m eval.bpc --workdir runs/char_tiny --context 1024 --stride 256
+    python -m eval.bpc --workdir gs://bucket/char_small --dataset enwik8 --split test  # paper
+    python -m eval.bpc --workdir runs/char_tiny --file README.md --context 512 --stride 256
+
+Protocols: "sliding" (the paper's: windows of --context bytes moved --stride at a time, each
+scoring its last --stride predictions, the first window scoring all of its own) and "chunks"
+(non-overlapping windows of --context bytes). The model comes from <workdir>/run_config.json,
+written by train.charlm, and the final stage's attention windows from the settings saved with the
+checkpoint (a run may have been extended); only the parameters of the checkpoint are read, and
+checked against the checksums saved with them: without --step the newest checkpoint that restores
+and verifies is scored (a damaged one is skipped with a one-line warning and left as it is); a
+damaged --step, or no usable checkpoint, is an error (exit status 1, one line). The same function
+(`tasks.charlm.evaluate_run`) scores the test split after training. Prints the BPC and writes JSON
+(default <workdir>/bpc_<dataset>_<split>_<protocol>.json,
+or bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can
+be written. A result that is not finite (broken weights) is an error: exit status 1, no JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+from longformer_jax.cli.driver import (
+    EXIT_FAILED, EXIT_OK, Parser, add_distributed_args, add_print_config, fail,
+    initialize_distributed, nonnegative_int, positive_int, printed_config)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = Parser("eval.bpc", __doc__)
+  parser.add_argument("--workdir", required=True, help="the training run's directory")
+  parser.add_argument("--step", type=nonnegative_int, default=None,
+                      help="checkpoint step (default: latest)")
+  source = parser.add_mutually_exclusive_group()
+  source.add_argument("--dataset", default=None, help="default: the run's dataset")
+  source.add_argument("--file", default=None, help="score this file's bytes instead of a split")
+  parser.add_argument("--data-dir", default=None)
+  parser.add_argument("--split", default=None, choices=("train", "validation", "test"),
+                      help="of --dataset (default: test)")
+  parser.add_argument("--protocol", default="sliding", choices=("sliding", "chunks"))
+  parser.add_argument("--context", type=positive_int, default=32256)
+  parser.add_argument("--stride", type=positive_int, default=512)
+  parser.add_argument("--score-last", type=positive_int, default=None, help="must equal --stride")
+  parser.add_argument("--batch-size", type=positive_int, default=1, help="windows per forward pass")
+  parser.add_argument("--max-bytes", type=positive_int, default=None, help="score only a prefix")
+  parser.add_argument("--output", default=None, help="JSON path")
+  parser.add_argument("--no-progress", action="store_true")
+  add_print_config(parser)
+  add_distributed_args(parser)
+  args = parser.parse_args(argv)
+  if args.file is not None and args.split is not None:
+    parser.error("--split selects a split of --dataset; it does not go with --file")
+  if printed_config(args):
+    return EXIT_OK
+
+  import jax
+  import numpy as np
+  from etils import epath
+  from longformer_jax import training
+  from longformer_jax.checkpoint import CheckpointError
+  from longformer_jax.data import load_split
+  from longformer_jax.tasks.charlm import describe, evaluate_run
+  from longformer_jax.io import atomic_write
+  initialize_distributed(args)
+
+  workdir = epath.Path(args.workdir)
+  if args.file is not None:
+    data = np.frombuffer(epath.Path(args.file).read_bytes(), np.uint8)
+    source = {"file": args.file}
+    name = f"file_{epath.Path(args.file).name}"
+  else:
+    cfg = training.read_run_config(workdir)
+    dataset, split = args.dataset or cfg.dataset, args.split or "test"
+    data = load_split(dataset, split, args.data_dir or cfg.data_dir)
+    source = {"dataset": dataset, "split": split}
+    name = f"{dataset}_{split}"
+  if args.max_bytes is not None:
+    data = data[:args.max_bytes]
+  out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
+  if jax.process_index() == 0:
+    _check_writable(out)  # before minutes of evaluation, not after
+  try:
+    result = evaluate_run(workdir, data, step=args.step, mesh=training.make_mesh((-1, 1)),
+                          context=args.context, stride=args.stride, score_last=args.score_last,
+                          batch_size=args.batch_size, protocol=args.protocol,
+                          progress=not args.no_progress)
+  except (CheckpointError, FileNotFoundError) as e:
+    # No checkpoint, or none that restores and verifies: one line, not Orbax's tracebacks.
+    return fail(e)
+  result = {**source, **result, "workdir": str(workdir)}
+  if jax.process_index() == 0:
+    print(f"{name}: {describe(result)}")
+    if not math.isfinite(result["bpc"]):
+      return fail(f"the result is not finite (bpc {result['bpc']}): the checkpoint's weights "
+                  f"are not usable; nothing written")
+    atomic_write(out, json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+  return EXIT_OK if math.isfinite(result["bpc"]) else EXIT_FAILED
+
+
+def _check_writable(path) -> None:
+  """Raises OSError naming `path` unless a file can be created beside it."""
+  probe = path.parent / f".{path.name}.write-check"
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    raise OSError(f"cannot write the output {path}: {e}") from None
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,1 @@
+"""Training commands: `python -m train.<name>` or `longformer-train-<name>`."""

@@ -1,0 +1,134 @@
+"""Continued masked-LM pretraining of a Longformer (paper §5), then scoring the test split.
+
+    # the paper's run: roberta-base made long (positions copied), 65K steps of 64 x 4,096 tokens
+    python -m train.mlm --init ./roberta-base --data ./my-corpus/ --workdir gs://bucket/lf-base
+    # CPU: a tiny model from scratch on the bundled enwik8 sample, its own byte-level BPE
+    python -m train.mlm --preset mlm_tiny
+
+Presets (`--preset`, default mlm_paper; or `--config FILE` with `get_config()`): mlm_paper,
+mlm_paper_large, mlm_tiny (`longformer_jax.tasks.mlm`). `--init DIR` starts from a RoBERTa
+directory (config.json + weights; made long by copying its positions up to the longest stage's
+sequence length, with the preset's window), an HF Longformer directory, or a project model
+checkpoint (`checkpoint.save_model`); the model's shape comes from there, its compute settings
+(attention_impl, dtype, remat) from the preset. Without `--init` the preset's model starts from
+its seed.
+
+Text (`--data`, a shorthand for `--set dataset=`; default the preset's dataset): enwik8, text8,
+enwik8_sample, text8_sample, tfds:NAME, a text file or a directory of *.txt files (split 90/5/5
+by bytes); every non-empty line is a document. Tokenizer (`--tokenizer`: a tokenizer.json or a
+directory with it or with vocab.json + merges.txt): default the workdir's tokenizer.json (a
+resumed run), else --init's directory's, else a byte-level BPE of the model's vocabulary size
+trained on the training split. It is saved as <workdir>/tokenizer.json. Token ids are cached
+under <data_dir>/mlm_tokens (or ~/.cache/longformer_jax/mlm_tokens).
+
+Any setting can be overridden with `--set path=value`; `--print-config` shows the result.
+Rerunning the same command resumes from the newest checkpoint that verifies, and refuses to if
+the model, the data, the tokenizer, the starting weights or the stages already trained differ.
+Exit status: 0 done; 75 stopped by SIGTERM after saving; 1 the run failed (one-line `error:`);
+2 a bad command line, `--set`, `--init`, `--tokenizer` or `--data` (one line). Writes
+<workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/, tokenizer.json and
+results.json (the final test MLM loss, bits per masked token and bits per character;
+`python -m eval.mlm` scores any checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+from longformer_jax.cli.driver import Plan, TrainCommand
+
+
+class MLM(TrainCommand):
+  prog = "train.mlm"
+  doc = __doc__
+  preset_task = "mlm"
+  default_preset = "mlm_paper"
+
+  def add_arguments(self, parser):
+    parser.add_argument("--init", default=None, metavar="DIR",
+                        help="start from a RoBERTa, an HF Longformer or a model checkpoint")
+    parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                        help="tokenizer.json, or a directory with it or vocab.json + merges.txt")
+    parser.add_argument("--data", default=None, metavar="SOURCE",
+                        help="text source (sets the config's dataset)")
+
+  def default_workdir(self, args):
+    return Path("runs") / (Path(args.config).stem if args.config
+                           else (args.preset or self.default_preset))
+
+  def shorthands(self, args, cfg):
+    from longformer_jax.tasks import mlm
+    preset = None if args.config else (args.preset or self.default_preset)
+    if preset in mlm.NEEDS_INIT and args.init is None:
+      raise ValueError(f"preset {preset} continues a pretrained model (peak learning rate "
+                       f"{cfg.stages[0].learning_rate}): give --init DIR (a RoBERTa), or train "
+                       f"from scratch with --preset mlm_tiny or a --config")
+    return cfg if args.data is None else dataclasses.replace(cfg, dataset=args.data)
+
+  def finish_config(self, args, cfg, options, workdir):
+    if args.init is None:
+      return cfg
+    from longformer_jax import training
+    from longformer_jax.tasks import mlm
+    # Made long to the longest stage, with the (overridden) preset's window; the model's shape
+    # is the checkpoint's, and the model.* overrides apply to it again.
+    self._init_model, self._init_kind = mlm.load_pretrained(
+        args.init, max_positions=max(s.seq_len for s in cfg.stages),
+        window=cfg.model.layer_windows[0])
+    cfg = dataclasses.replace(
+        cfg, model=mlm.keep_compute_settings(self._init_model.config, cfg.model))
+    return training.apply_overrides(cfg, [a for a in args.set if a.startswith("model.")])
+
+  def plan(self, args, cfg, options, workdir):
+    import jax
+    from flax import nnx
+    from longformer_jax.io import atomic_write
+    from longformer_jax.tasks import mlm
+    from longformer_jax.training import sources
+    init_params = init_identity = None
+    if args.init is not None:
+      params = nnx.state(self._init_model, nnx.Param)
+      mlm.check_params_fit(cfg.model, params)
+      init_identity = {"kind": self._init_kind,
+                       "params_sha256": sources.params_fingerprint(params)}
+      init_params = lambda: nnx.state(self._init_model, nnx.Param)
+    tokenizer = _tokenizer(args, cfg, workdir)
+    task = mlm.MLMTask(tokenizer, init_identity=init_identity)
+    task.check(cfg)
+    if not (workdir / mlm.TOKENIZER_FILE).exists() and jax.process_index() == 0:
+      workdir.mkdir(parents=True, exist_ok=True)
+      atomic_write(workdir / mlm.TOKENIZER_FILE, tokenizer.to_str(pretty=True))
+    return Plan(task, {"preset": args.preset, "config": args.config, "init": args.init,
+                       "dataset": cfg.dataset, "overrides": args.set},
+                init_params=init_params)
+
+
+def _tokenizer(args, cfg, workdir):
+  """--tokenizer, else the workdir's, else --init's directory's, else a BPE trained here."""
+  from longformer_jax.data import text, tokenized
+  from longformer_jax.tasks import mlm
+  if args.tokenizer is not None:
+    return text.load_tokenizer(args.tokenizer)
+  saved = workdir / mlm.TOKENIZER_FILE
+  if saved.exists():
+    return text.load_tokenizer(saved)
+  if args.init is not None:
+    init = Path(args.init)
+    if (init / "tokenizer.json").is_file() or (init / "vocab.json").is_file():
+      return text.load_tokenizer(init)
+    raise FileNotFoundError(f"--init {args.init} holds no tokenizer (tokenizer.json or "
+                            f"vocab.json + merges.txt): give --tokenizer")
+  print(f"training a byte-level BPE tokenizer ({cfg.model.vocab_size} ids) on the train split "
+        f"of {cfg.dataset}")
+  return tokenized.train_bpe(tokenized.text_of(cfg.dataset, "train", cfg.data_dir),
+                             cfg.model.vocab_size)
+
+
+def main(argv: list[str] | None = None) -> int:
+  return MLM().main(argv)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
