@@ -47,8 +47,9 @@ from pathlib import Path
 
 from longformer_jax.cli.driver import (
     Plan, TrainCommand, nonnegative_int, positive_float, positive_int)
-from longformer_jax.data.finetune_data import TASKS
-from longformer_jax.tasks.finetune import FinetuneOptions
+from longformer_jax.tasks.finetune import KINDS, FinetuneOptions
+
+TASKS = tuple(KINDS)
 
 
 class Finetune(TrainCommand):
