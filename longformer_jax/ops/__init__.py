@@ -5,7 +5,11 @@ Each fast path sits beside its plainly-correct reference:
   reference.py       dense reference of the whole op
   band_reference.py  dense reference of the band-kernel contract
   band_chunked.py    blocked-einsum band kernel
-  band_pallas*.py    Pallas band kernels (GPU / TPU; interpret mode on CPU)
+  band_pallas.py     Pallas band kernels' dispatch: checks, padding, custom VJP,
+                     `band_attention_pallas` (interpret mode on CPU)
+  band_blocks.py     their shared block arithmetic (BlockSizes, band geometry, support checks)
+  band_triton.py     Triton (GPU) kernels
+  band_mosaic.py     Mosaic (TPU) kernels
   sequence_parallel.py  collectives of the op with the sequence split over a mesh axis
 
 The shape alphabet, declared here once and followed by every tensor name in the package
