@@ -20,7 +20,7 @@ stage by stage, so `__call__` takes an optional `windows` tuple that overrides t
 Sampling: `generate` (prefill the prompt with the ordinary forward, then one `decode_step` per
 token over per-layer ring-buffer key/value caches of the band's reach, O(window x dilation) per
 layer whatever the length; `longformer_jax.generation`).
-Shape letters: docs/design.md §4.
+Shape letters: the alphabet of `longformer_jax.ops`.
 """
 
 from __future__ import annotations

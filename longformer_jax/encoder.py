@@ -2,7 +2,8 @@
 
 Each block takes the hyperparameters it needs, not the whole `LongformerConfig`; the models in
 `longformer_jax.modeling` read the config and build them. Parameter names follow HF's so that
-`longformer_jax.convert` maps checkpoints one to one. Shape letters: docs/design.md §4.
+`longformer_jax.convert` maps checkpoints one to one. Shape letters: the alphabet of
+`longformer_jax.ops`.
 """
 
 from __future__ import annotations

@@ -17,9 +17,8 @@ Pieces, bottom up:
   prompt_cache, attend_step   the attention module's projections around it (prefill / one token)
   sample_logits        greedy, temperature, top-k and top-p sampling
   generate             prefill + `lax.scan` over the new tokens, all under one `jit`
-`LongformerForCausalLM.generate` is the entry point. Shape letters: docs/design.md §4, with K
-the slots of a cache (the key set of the decode step's masked softmax), W the window slots of
-one query and C the candidate tokens of top-k / top-p sampling.
+`LongformerForCausalLM.generate` is the entry point. Shape letters: the alphabet of
+`longformer_jax.ops`; here K counts the slots of a cache (the keys of a decode step).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ those dimensions, and the residual stream's `embed` dimension stays whole (weigh
 `embed`, as with FSDP, are gathered for the product). On Auto meshes and without a mesh they are
 flax's `LinearGeneral` and `Embed`, unchanged.
 
-Shape letters follow `longformer_jax.ops` (docs/design.md §4).
+Shape letters: the alphabet of `longformer_jax.ops`.
 """
 
 from __future__ import annotations

@@ -29,13 +29,13 @@ so far, and returns the logits and the cache with `index` advanced by T. Every s
 Generation. `LEDForConditionalGeneration.generate` is HF's `generate` (greedy, sampling, beam
 search; HF's outputs token for token, tests/test_led_generate.py): the encoder once, then the
 search of `longformer_jax.search` over `decode_step` in one jitted `lax.while_loop`. Beam search
-decodes B * K rows whose self-attention caches are reordered every step
-(`LEDDecoderCache.reorder_rows`) while the K beams of an item share its cross-attention keys and
+decodes B * J rows whose self-attention caches are reordered every step
+(`LEDDecoderCache.reorder_rows`) while the J beams of an item share its cross-attention keys and
 values (stored at B rows).
 
-Shapes (docs/design.md §4): B batch, N encoder tokens, T decoder tokens of this call, S keys
-(encoder tokens in cross-attention; decoder tokens or cache slots in self-attention), E d_model,
-H heads, D head_dim, V vocabulary.
+Shape letters: the alphabet of `longformer_jax.ops`; here N counts encoder tokens, T the
+decoder tokens of a call, K the keys of an attention (encoder tokens in cross-attention, decoder
+tokens or cache slots in self-attention) and E is d_model.
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ class LEDLayerCache:
   """One decoder layer's keys and values. Slots at and after the cache's `index` hold zeros (or
   stale values) and are never attended.
 
-  R, the decoding rows, is B, or B * K for a beam search (row b * K + k: beam k of batch item b);
-  the encoder side stays at B rows, shared by an item's K beams (`LEDDecoderLayer`). Keys and
+  R, the decoding rows, is B, or B * J for a beam search (row b * J + j: beam j of batch item b);
+  the encoder side stays at B rows, shared by an item's J beams (`LEDDecoderLayer`). Keys and
   values are heads-major, the layout the attention contracts (`LEDDecoderAttention.key_value`)."""
-  self_key: jax.Array  # [R, H, S, D], S = max_length
-  self_value: jax.Array  # [R, H, S, D]
+  self_key: jax.Array  # [R, H, K, D], K = max_length
+  self_value: jax.Array  # [R, H, K, D]
   cross_key: jax.Array  # [B, H, N, D]: the encoder output through this layer's k_proj, once
   cross_value: jax.Array  # [B, H, N, D]
 
@@ -104,7 +104,7 @@ class LEDDecoderCache:
 
   def reorder_rows(self, rows_R: jax.Array) -> LEDDecoderCache:
     """Row r takes row rows_R[r]'s self-attention keys and values (beam search: each beam
-    continues from the one it extends). `rows_R` must stay within each batch item's K rows: the
+    continues from the one it extends). `rows_R` must stay within each batch item's J rows: the
     cross-attention keys and values, one copy per item, are not moved."""
     layers = tuple(layer.replace(self_key=layer.self_key[rows_R],
                                  self_value=layer.self_value[rows_R]) for layer in self.layers)
@@ -171,14 +171,14 @@ class LEDDecoderAttention(nnx.Module):
     self.q_proj, self.k_proj, self.v_proj = proj(), proj(), proj()
     self.out_proj = dense((num_heads, head_dim), d_model, ("heads", "kv", "embed"), **args)
 
-  def key_value(self, x_BxSxE: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Keys and values [B, H, S, D], heads-major: the layout the attention contracts, so that a
-    cache holding them is read in place. (Cached [B, S, H, D], they were transposed at every
+  def key_value(self, x_BxKxE: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Keys and values [B, H, K, D], heads-major: the layout the attention contracts, so that a
+    cache holding them is read in place. (Cached [B, K, H, D], they were transposed at every
     decoding step: cross-attention over 16K encoder tokens was ~4x slower on CPU.)"""
-    heads_major = lambda x_BxSxHxD: x_BxSxHxD.transpose(0, 2, 1, 3)
-    return heads_major(self.k_proj(x_BxSxE)), heads_major(self.v_proj(x_BxSxE))
+    heads_major = lambda x_BxKxHxD: x_BxKxHxD.transpose(0, 2, 1, 3)
+    return heads_major(self.k_proj(x_BxKxE)), heads_major(self.v_proj(x_BxKxE))
 
-  def __call__(self, hidden_BxTxE, key_BxHxSxD, value_BxHxSxD, mask_Bx1xTxS=None):
+  def __call__(self, hidden_BxTxE, key_BxHxKxD, value_BxHxKxD, mask_Bx1xTxK=None):
     """mask: True where query t may attend key s (broadcast over heads; None: every key).
 
     What `jax.nn.dot_product_attention` computes (XLA path), on heads-major keys: scores
@@ -187,14 +187,14 @@ class LEDDecoderAttention(nnx.Module):
     min-value mask does the same; with the masks built here only decoder padding rows can have
     none)."""
     q_BxTxHxD = self.q_proj(hidden_BxTxE)
-    scores_BxHxTxS = jnp.einsum("bthd,bhsd->bhts", q_BxTxHxD, key_BxHxSxD,
+    scores_BxHxTxK = jnp.einsum("bthd,bhsd->bhts", q_BxTxHxD, key_BxHxKxD,
                                 preferred_element_type=jnp.float32)
-    scores_BxHxTxS = scores_BxHxTxS * (1.0 / np.sqrt(q_BxTxHxD.shape[-1])).astype(np.float32)
-    if mask_Bx1xTxS is not None:
+    scores_BxHxTxK = scores_BxHxTxK * (1.0 / np.sqrt(q_BxTxHxD.shape[-1])).astype(np.float32)
+    if mask_Bx1xTxK is not None:
       large_negative = -0.7 * np.finfo(np.float32).max
-      scores_BxHxTxS = jnp.where(mask_Bx1xTxS, scores_BxHxTxS, large_negative)
-    probs_BxHxTxS = jax.nn.softmax(scores_BxHxTxS, axis=-1).astype(value_BxHxSxD.dtype)
-    out_BxTxHxD = jnp.einsum("bhts,bhsd->bthd", probs_BxHxTxS, value_BxHxSxD)
+      scores_BxHxTxK = jnp.where(mask_Bx1xTxK, scores_BxHxTxK, large_negative)
+    probs_BxHxTxK = jax.nn.softmax(scores_BxHxTxK, axis=-1).astype(value_BxHxKxD.dtype)
+    out_BxTxHxD = jnp.einsum("bhts,bhsd->bthd", probs_BxHxTxK, value_BxHxKxD)
     return self.out_proj(out_BxTxHxD)
 
 
@@ -219,7 +219,7 @@ class LEDDecoderLayer(nnx.Module):
     self.act = activation(c.activation_function)
     self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-  def __call__(self, hidden_BxTxE, self_mask_Bx1xTxS, cross_mask_Bx1x1xN, encoder_BxNxE,
+  def __call__(self, hidden_BxTxE, self_mask_Bx1xTxK, cross_mask_Bx1x1xN, encoder_BxNxE,
                cache: LEDLayerCache | None, index):
     """Returns (hidden [B, T, E], the layer's updated cache or None).
 
@@ -227,24 +227,24 @@ class LEDDecoderLayer(nnx.Module):
     `encoder_BxNxE`; with one, the T new keys/values are written at slots index..index+T-1 and
     the cross keys/values are the cached ones.
     """
-    key_BxHxSxD, value_BxHxSxD = self.self_attn.key_value(hidden_BxTxE)
+    key_BxHxKxD, value_BxHxKxD = self.self_attn.key_value(hidden_BxTxE)
     if cache is None:
       cross_key_BxHxNxD, cross_value_BxHxNxD = self.encoder_attn.key_value(encoder_BxNxE)
     else:
       start = (0, 0, index, 0)
-      key_BxHxSxD = jax.lax.dynamic_update_slice(
-          cache.self_key, key_BxHxSxD.astype(cache.self_key.dtype), start)
-      value_BxHxSxD = jax.lax.dynamic_update_slice(
-          cache.self_value, value_BxHxSxD.astype(cache.self_value.dtype), start)
-      cache = cache.replace(self_key=key_BxHxSxD, self_value=value_BxHxSxD)
+      key_BxHxKxD = jax.lax.dynamic_update_slice(
+          cache.self_key, key_BxHxKxD.astype(cache.self_key.dtype), start)
+      value_BxHxKxD = jax.lax.dynamic_update_slice(
+          cache.self_value, value_BxHxKxD.astype(cache.self_value.dtype), start)
+      cache = cache.replace(self_key=key_BxHxKxD, self_value=value_BxHxKxD)
       cross_key_BxHxNxD, cross_value_BxHxNxD = cache.cross_key, cache.cross_value
-    attn_BxTxE = self.self_attn(hidden_BxTxE, key_BxHxSxD, value_BxHxSxD, self_mask_Bx1xTxS)
+    attn_BxTxE = self.self_attn(hidden_BxTxE, key_BxHxKxD, value_BxHxKxD, self_mask_Bx1xTxK)
     hidden_BxTxE = self.self_attn_layer_norm(hidden_BxTxE + self.dropout(attn_BxTxE))
-    # A beam search's K rows per batch item (b * K + k) share the item's encoder keys, stored
-    # once: they attend as one row of K * T queries ([B * K, T, E] -> [B, K * T, E]), the same
+    # A beam search's J rows per batch item (b * J + j) share the item's encoder keys, stored
+    # once: they attend as one row of J * T queries ([B * J, T, E] -> [B, J * T, E]), the same
     # attention since cross-attention has no causal mask.
-    grouped_BxKTxE = hidden_BxTxE.reshape(cross_key_BxHxNxD.shape[0], -1, hidden_BxTxE.shape[-1])
-    attn_BxTxE = self.encoder_attn(grouped_BxKTxE, cross_key_BxHxNxD, cross_value_BxHxNxD,
+    grouped_BxJTxE = hidden_BxTxE.reshape(cross_key_BxHxNxD.shape[0], -1, hidden_BxTxE.shape[-1])
+    attn_BxTxE = self.encoder_attn(grouped_BxJTxE, cross_key_BxHxNxD, cross_value_BxHxNxD,
                                    cross_mask_Bx1x1xN).reshape(hidden_BxTxE.shape)
     hidden_BxTxE = self.encoder_attn_layer_norm(hidden_BxTxE + self.dropout(attn_BxTxE))
     mlp_BxTxE = self.fc2(self.act(self.fc1(hidden_BxTxE)))
@@ -318,16 +318,16 @@ class LEDDecoder(_Embeddings):
       index = 0
       positions_T = jnp.arange(num_new)
       # Causal: query t sees keys s <= t, and only real decoder tokens.
-      self_mask_Bx1xTxS = jnp.tril(jnp.ones((num_new, num_new), bool))[None, None]
+      self_mask_Bx1xTxK = jnp.tril(jnp.ones((num_new, num_new), bool))[None, None]
       if decoder_mask_BxT is not None:
-        self_mask_Bx1xTxS = self_mask_Bx1xTxS & decoder_mask_BxT[:, None, None, :]
+        self_mask_Bx1xTxK = self_mask_Bx1xTxK & decoder_mask_BxT[:, None, None, :]
       layer_caches = (None,) * len(self.layers)
     else:
       index = cache.index
       positions_T = index + jnp.arange(num_new)
       # Query at position p sees the slots 0..p: the earlier steps' and this call's up to itself.
-      slots_S = jnp.arange(cache.max_length)
-      self_mask_Bx1xTxS = (slots_S[None, :] <= positions_T[:, None])[None, None]
+      slots_K = jnp.arange(cache.max_length)
+      self_mask_Bx1xTxK = (slots_K[None, :] <= positions_T[:, None])[None, None]
       encoder_mask_BxN = cache.encoder_mask
       layer_caches = cache.layers
     cross_mask_Bx1x1xN = (None if encoder_mask_BxN is None
@@ -340,7 +340,7 @@ class LEDDecoder(_Embeddings):
     run_layer = maybe_remat(run_layer, self.remat)
     all_hidden, new_caches = [hidden_BxTxE], []
     for layer, layer_cache in zip(self.layers, layer_caches):
-      hidden_BxTxE, layer_cache = run_layer(layer, hidden_BxTxE, self_mask_Bx1xTxS,
+      hidden_BxTxE, layer_cache = run_layer(layer, hidden_BxTxE, self_mask_Bx1xTxK,
                                             cross_mask_Bx1x1xN, encoder_BxNxE, layer_cache, index)
       all_hidden.append(hidden_BxTxE)
       new_caches.append(layer_cache)
@@ -435,8 +435,8 @@ class LEDModel(HFCheckpointMixin, nnx.Module):
   def init_cache(self, encoder_hidden_states, encoder_attention_mask=None, *,
                  max_length: int, num_beams: int = 1) -> LEDDecoderCache:
     """The decoding cache for `max_length` decoder positions, from the encoder output [B, N, E]:
-    every layer's cross-attention keys and values are computed here, once. With num_beams = K
-    the cache decodes B * K rows (row b * K + k: beam k of item b) that share their item's
+    every layer's cross-attention keys and values are computed here, once. With num_beams = J
+    the cache decodes B * J rows (row b * J + j: beam j of item b) that share their item's
     cross-attention keys and values (kept at B rows)."""
     c = self.config
     if not isinstance(max_length, int) or not 1 <= max_length <= c.max_decoder_position_embeddings:
@@ -451,9 +451,9 @@ class LEDModel(HFCheckpointMixin, nnx.Module):
     for layer in self.decoder.layers:
       cross_key_BxHxNxD, cross_value_BxHxNxD = layer.encoder_attn.key_value(encoder_BxNxE)
       _, heads, _, head_dim = cross_key_BxHxNxD.shape
-      slots_RxHxSxD = jnp.zeros((batch * num_beams, heads, max_length, head_dim),
+      slots_RxHxKxD = jnp.zeros((batch * num_beams, heads, max_length, head_dim),
                                 cross_key_BxHxNxD.dtype)
-      layers.append(LEDLayerCache(slots_RxHxSxD, slots_RxHxSxD, cross_key_BxHxNxD,
+      layers.append(LEDLayerCache(slots_RxHxKxD, slots_RxHxKxD, cross_key_BxHxNxD,
                                   cross_value_BxHxNxD))
     return LEDDecoderCache(
         layers=tuple(layers),
@@ -604,7 +604,7 @@ class LEDForConditionalGeneration(HFCheckpointMixin, nnx.Module):
         documents for LED summarization (HF itself defaults to none: pass it there).
       max_new_tokens: tokens generated after the decoder start token (<= the decoder's
         position table, max_decoder_position_embeddings).
-      num_beams: 1 for greedy decoding or sampling, K > 1 for beam search.
+      num_beams: 1 for greedy decoding or sampling, J > 1 for beam search.
       do_sample, temperature, top_k, top_p: sampling (num_beams = 1 only), through
         `generation.SamplingConfig` / `sample_logits`; HF's sampling defaults top_k to 50, here
         it is None (off). Token n is drawn with fold_in(key(seed), n).
@@ -620,8 +620,8 @@ class LEDForConditionalGeneration(HFCheckpointMixin, nnx.Module):
     pad_token_id fills it afterwards (HF's defaults for LED: 2, 2, 1). Dropout is off (the
     model's train/eval mode is not changed).
 
-    Returns int32 [B, L]: HF's output for the same settings (do_sample=False: token for token,
-    tests/test_led_generate.py), L = 1 + the new tokens of the longest row (the loop's length
+    Returns int32 [B, T]: HF's output for the same settings (do_sample=False: token for token,
+    tests/test_led_generate.py), T = 1 + the new tokens of the longest row (the loop's length
     for greedy decoding, the longest best hypothesis for beam search).
     """
     c = self.config
@@ -666,9 +666,9 @@ class LEDForConditionalGeneration(HFCheckpointMixin, nnx.Module):
     graphdef, state = nnx.split(self)
     encoder_BxNxE = _encode_fn(graphdef, _max_global(global_BxN))(
         state, ids_BxN.astype(jnp.int32), mask_BxN, global_BxN)
-    sequences_BxL, length = _generate_fn(graphdef, settings)(state, encoder_BxNxE, mask_BxN,
+    sequences_BxT, length = _generate_fn(graphdef, settings)(state, encoder_BxNxE, mask_BxN,
                                                              jax.random.key(seed))
-    return sequences_BxL[:, :int(length)]
+    return sequences_BxT[:, :int(length)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ its activations are laid out on and the axis that splits sequences, handed to ev
 layer (`LongformerSelfAttention`). They are not part of the config, nor of `init_kwargs`: a
 checkpoint is the same whatever mesh trained it.
 
-Shapes (docs/design.md §4): B batch, C choices, N sequence, E hidden, V vocabulary, L labels.
+Shape letters: the alphabet of `longformer_jax.ops`.
 """
 
 from __future__ import annotations
@@ -231,10 +231,10 @@ class LongformerForMaskedLM(HFCheckpointMixin, nnx.Module):
   def __call__(self, input_ids, attention_mask=None, global_attention_mask=None, *,
                prediction_positions=None, **kwargs) -> LongformerLogitsOutput:
     """kwargs: the other arguments of `LongformerModel.__call__`. Returns logits [B, N, V], or
-    [B, P, V] at `prediction_positions`.
+    [B, Y, V] at `prediction_positions`.
 
-    prediction_positions: int [B, P], the positions whose logits are wanted (an MLM batch's
-      masked tokens: `masked_positions`). The LM head then runs on those P rows only: its E x V
+    prediction_positions: int [B, Y], the positions whose logits are wanted (an MLM batch's
+      masked tokens: `masked_positions`). The LM head then runs on those Y rows only: its E x V
       decoder is 2 x 768 x 50,265 = 77M FLOPs per position, about a quarter of a base model's
       forward FLOPs by count, and the [B, N, V] logits are the largest activation of a training
       step, while the MLM loss reads 15% of the positions (paper §5 / RoBERTa's masking rate).
@@ -254,9 +254,9 @@ def masked_positions(labels_BxN: jax.Array, max_predictions: int
   """The positions of each row's MLM targets (labels >= 0; -100 marks the others, as in HF), in
   a static shape for `LongformerForMaskedLM(prediction_positions=...)`.
 
-  Returns (positions [B, P], labels [B, P], dropped [B]) with P = max_predictions: each row's
+  Returns (positions [B, Y], labels [B, Y], dropped [B]) with Y = max_predictions: each row's
   target positions in order, padded with position 0 and label -100 when it has fewer; `dropped`
-  counts the targets of a row beyond P, which are left out (pick P as the masker's maximum, e.g.
+  counts the targets of a row beyond Y, which are left out (pick Y as the masker's maximum, e.g.
   the number of positions it masks per row, so that it is always 0).
   """
   if not isinstance(max_predictions, int) or max_predictions < 1:
@@ -266,13 +266,13 @@ def masked_positions(labels_BxN: jax.Array, max_predictions: int
   is_target_BxN = labels_BxN >= 0
   # Targets first, each group in position order: a stable sort on "not a target".
   order_BxN = jnp.argsort(~is_target_BxN, axis=-1, stable=True)
-  positions_BxP = order_BxN[:, :max_predictions] if max_predictions <= n else jnp.pad(
+  positions_BxY = order_BxN[:, :max_predictions] if max_predictions <= n else jnp.pad(
       order_BxN, ((0, 0), (0, max_predictions - n)))
   count_B = jnp.sum(is_target_BxN, axis=-1)
-  valid_BxP = jnp.arange(max_predictions)[None, :] < count_B[:, None]
-  labels_BxP = jnp.where(valid_BxP, jnp.take_along_axis(labels_BxN, positions_BxP, axis=1), -100)
-  positions_BxP = jnp.where(valid_BxP, positions_BxP, 0).astype(jnp.int32)
-  return positions_BxP, labels_BxP, jnp.maximum(count_B - max_predictions, 0)
+  valid_BxY = jnp.arange(max_predictions)[None, :] < count_B[:, None]
+  labels_BxY = jnp.where(valid_BxY, jnp.take_along_axis(labels_BxN, positions_BxY, axis=1), -100)
+  positions_BxY = jnp.where(valid_BxY, positions_BxY, 0).astype(jnp.int32)
+  return positions_BxY, labels_BxY, jnp.maximum(count_B - max_predictions, 0)
 
 
 def _classifier(config: LongformerConfig, num_out: int, rngs: nnx.Rngs) -> nnx.LinearGeneral:

@@ -191,14 +191,14 @@ def pad(sequences: Sequence[np.ndarray], *, length: int, pad_id: int
   """(ids, mask), int32 [len(sequences), length]: each sequence at the start of its row, then
   `pad_id`; mask 1 on the sequence, 0 on the padding. A sequence longer than `length` is a
   ValueError (truncate when encoding)."""
-  ids_BxL = np.full((len(sequences), length), pad_id, np.int32)
-  mask_BxL = np.zeros((len(sequences), length), np.int32)
+  ids_BxN = np.full((len(sequences), length), pad_id, np.int32)
+  mask_BxN = np.zeros((len(sequences), length), np.int32)
   for row, seq in enumerate(sequences):
     if len(seq) > length:
       raise ValueError(f"sequence {row} has {len(seq)} ids, more than length={length}")
-    ids_BxL[row, :len(seq)] = seq
-    mask_BxL[row, :len(seq)] = 1
-  return ids_BxL, mask_BxL
+    ids_BxN[row, :len(seq)] = seq
+    mask_BxN[row, :len(seq)] = 1
+  return ids_BxN, mask_BxN
 
 
 # ---------------------------------------------------------------------------------------------

@@ -113,11 +113,11 @@ def encode_documents(tokenizer, docs: Sequence[str], eos: int) -> np.ndarray:
   return stream.astype(_stream_dtype(tokenizer.get_vocab_size(with_added_tokens=True)))
 
 
-def with_specials(chunks_RxC: np.ndarray, ids: SpecialIds) -> np.ndarray:
-  """`<s>` + each row + `</s>`: [R, C] -> [R, C + 2] int32 sequences."""
-  chunks_RxC = np.asarray(chunks_RxC)
-  rows = chunks_RxC.shape[0]
-  return np.concatenate([np.full((rows, 1), ids.bos, np.int32), chunks_RxC.astype(np.int32),
+def with_specials(chunks_RxN: np.ndarray, ids: SpecialIds) -> np.ndarray:
+  """`<s>` + each row + `</s>`: [R, N] -> [R, N + 2] int32 sequences."""
+  chunks_RxN = np.asarray(chunks_RxN)
+  rows = chunks_RxN.shape[0]
+  return np.concatenate([np.full((rows, 1), ids.bos, np.int32), chunks_RxN.astype(np.int32),
                          np.full((rows, 1), ids.eos, np.int32)], axis=1)
 
 

@@ -614,7 +614,7 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
   band_kernel, static["fused"] = _band_kernel(impl, platform)
   args = (q, k, v, attention_mask, global_mask, global_qkv)
   # The op's own shard_map checks varying manual axes (the kernels state them for their outputs,
-  # `band_pallas.out_struct`), except around kernels in interpret mode: jax's Pallas HLO
+  # `band_blocks.out_struct`), except around kernels in interpret mode: jax's Pallas HLO
   # interpreter cannot evaluate a kernel on values of varying type (jax 0.11, 0.12), and the TPU
   # interpreter, which can, synchronises all devices in host callbacks, which deadlocked XLA's
   # CPU collectives at 8 devices. Without the check the HLO interpreter runs the kernel.

@@ -17,7 +17,7 @@ shared loop runs, where the weights come from, and the evaluation with each kind
 
 Adding a kind: a `Kind` subclass with its class attributes and methods, decorated `@register`
 (docs/finetune.md). Every metric is a fraction in [0, 1] (the SQuAD script prints 100x). Shape
-letters (docs/design.md §4): B batch, C candidates, N tokens, L labels or answer lengths.
+letters: the alphabet of `longformer_jax.ops`.
 """
 
 from __future__ import annotations
@@ -674,18 +674,18 @@ def best_spans(start_BxN: jax.Array, end_BxN: jax.Array, max_answer_length: int
   The sum is the log of the span's probability under independent start and end softmaxes, up to
   the row's two normalisers, which do not change the argmax. Every pair is scored (not the top-k
   starts and ends of HF's post-processing), so the answer is exact over the whole document;
-  positions that cannot be chosen must hold -1e9 (`Kind.logits`). Cost B x N x L scores.
+  positions that cannot be chosen must hold -1e9 (`Kind.logits`). Cost B x N x A scores.
   """
   b, n = start_BxN.shape
   span = min(max_answer_length, n)
-  # end_BxNxL[b, i, l] = end_logit[b, i + l] (-1e9 past the row's end): every span from i.
+  # end_BxNxA[b, i, l] = end_logit[b, i + l] (-1e9 past the row's end): every span from i.
   end_padded = jnp.pad(end_BxN, ((0, 0), (0, span - 1)), constant_values=_NEG)
-  index_NxL = jnp.arange(n)[:, None] + jnp.arange(span)[None, :]
-  score_BxNxL = start_BxN[:, :, None] + end_padded[:, index_NxL]
-  flat_BxNL = score_BxNxL.reshape(b, n * span)
-  best_B = jnp.argmax(flat_BxNL, axis=-1)
+  index_NxA = jnp.arange(n)[:, None] + jnp.arange(span)[None, :]
+  score_BxNxA = start_BxN[:, :, None] + end_padded[:, index_NxA]
+  flat_BxNA = score_BxNxA.reshape(b, n * span)
+  best_B = jnp.argmax(flat_BxNA, axis=-1)
   start_B, length_B = best_B // span, best_B % span
-  return start_B, start_B + length_B, jnp.take_along_axis(flat_BxNL, best_B[:, None], 1)[:, 0]
+  return start_B, start_B + length_B, jnp.take_along_axis(flat_BxNA, best_B[:, None], 1)[:, 0]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -65,7 +65,7 @@ _TRAIN, _EVAL = 0, 1       # mask-key domains: training steps and held-out rows 
 
 def max_predictions(seq_len: int, rate: float = MASK_RATE) -> int:
   """The most targets a sequence of `seq_len` tokens can get (`mask_tokens` chooses
-  floor(rate * M + u) <= ceil(rate * seq_len) of its M <= seq_len maskable tokens): the static P
+  floor(rate * M + u) <= ceil(rate * seq_len) of its M <= seq_len maskable tokens): the static Y
   of `masked_positions`, so that it never drops one."""
   return max(1, math.ceil(rate * seq_len))
 
@@ -126,16 +126,16 @@ def mask_tokens(ids_BxN: np.ndarray, row_keys: Sequence[Sequence[int]], specials
 
 def masked_lm_nll(model: LongformerForMaskedLM, input_ids_BxN: jax.Array, labels_BxN: jax.Array,
                   *, pad_id: int, num_predictions: int) -> tuple[jax.Array, jax.Array]:
-  """(-ln p(target) [B, P], weights [B, P]: 1 for a target, 0 for padding of P) of the MLM
-  targets (labels >= 0), with the LM head run at the P = num_predictions target positions only.
+  """(-ln p(target) [B, Y], weights [B, Y]: 1 for a target, 0 for padding of Y) of the MLM
+  targets (labels >= 0), with the LM head run at the Y = num_predictions target positions only.
   Padding tokens (`pad_id`) are masked out of attention."""
-  positions_BxP, targets_BxP, _ = masked_positions(labels_BxN, num_predictions)
-  logits_BxPxV = model(input_ids_BxN, input_ids_BxN != pad_id,
-                       prediction_positions=positions_BxP).logits
-  weights_BxP = (targets_BxP >= 0).astype(jnp.float32)
-  nll_BxP = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BxPxV.astype(jnp.float32), jnp.maximum(targets_BxP, 0))
-  return nll_BxP * weights_BxP, weights_BxP
+  positions_BxY, targets_BxY, _ = masked_positions(labels_BxN, num_predictions)
+  logits_BxYxV = model(input_ids_BxN, input_ids_BxN != pad_id,
+                       prediction_positions=positions_BxY).logits
+  weights_BxY = (targets_BxY >= 0).astype(jnp.float32)
+  nll_BxY = optax.softmax_cross_entropy_with_integer_labels(
+      logits_BxYxV.astype(jnp.float32), jnp.maximum(targets_BxY, 0))
+  return nll_BxY * weights_BxY, weights_BxY
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,9 +161,9 @@ class MaskedBatches:
 
   def __next__(self) -> dict[str, np.ndarray]:
     step = self._sampler.step
-    chunks_BxC, _ = next(self._sampler)
-    rows = range(self._first_row, self._first_row + chunks_BxC.shape[0])
-    input_ids, labels = mask_tokens(tokenized.with_specials(chunks_BxC, self._specials),
+    chunks_BxN, _ = next(self._sampler)
+    rows = range(self._first_row, self._first_row + chunks_BxN.shape[0])
+    input_ids, labels = mask_tokens(tokenized.with_specials(chunks_BxN, self._specials),
                                     [(*self._key, step, row) for row in rows], self._specials,
                                     self._vocab_size, self._rate)
     return {"input_ids": input_ids, "labels": labels}
@@ -318,10 +318,10 @@ class MLMTask(Task):
     # The dropout layers draw from the model's "default" stream (it is built with
     # nnx.Rngs(seed)): keyed by the step (and microbatch) here, so every step drops anew.
     nnx.reseed(model, default=dropout_key)
-    nll_BxP, weights_BxP = masked_lm_nll(
+    nll_BxY, weights_BxY = masked_lm_nll(
         model, batch["input_ids"], batch["labels"], pad_id=self.specials.pad,
         num_predictions=max_predictions(stage.seq_len, self.rate))
-    return jnp.sum(nll_BxP) / jnp.maximum(jnp.sum(weights_BxP), 1.0)
+    return jnp.sum(nll_BxY) / jnp.maximum(jnp.sum(weights_BxY), 1.0)
 
   def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
               process_count: int) -> Batches:

@@ -43,7 +43,6 @@ compiled by XLA's TPU compiler and Mosaic on CPU through libtpu's compile-only c
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 from jax import lax
@@ -51,27 +50,13 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from longformer_jax.ops.band_pallas import (band_keep, k_block_range, max_band_blocks,
-                                            out_struct, q_block_range)
+from longformer_jax.ops.band_blocks import (LANES, band_keep, head_group, k_block_range,
+                                            max_band_blocks, out_struct, q_block_range)
 from longformer_jax.ops.band_reference import EMPTY_LSE
 
-LANES = 128
 NT_DIMS = (((1,), (1,)), ((), ()))  # a @ b.T
 NN_DIMS = (((1,), (0,)), ((), ()))  # a @ b
 _SEMANTICS = ("parallel", "parallel", "parallel", "arbitrary")
-
-
-def head_group(head_dim: int) -> int:
-  """Heads per kernel block: enough that the block's lane dim g * head_dim is >= 128 lanes."""
-  return max(1, LANES // head_dim)
-
-
-def fit_blocks(blocks, seq: int):
-  """Caps every block size at the padded sequence so short inputs are not padded to 512."""
-  cap = max(LANES, 1 << (max(seq, 1) - 1).bit_length())
-  return dataclasses.replace(blocks, **{
-      f.name: min(getattr(blocks, f.name), cap) for f in dataclasses.fields(blocks)
-      if f.name.startswith("block_")})
 
 
 def _compiler_params():
