@@ -44,6 +44,7 @@ import logging
 import os
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -366,7 +367,46 @@ def _after_failure(error: BaseException) -> None:
       if (inspect.iscoroutine(coro) and _orbax_code(coro.cr_code)
           and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED):
         coro.close()
+    _close_suspended_orbax_coroutines(objects)
+    del objects, futures
     gc.collect()
+
+
+def _close_suspended_orbax_coroutines(objects: list[Any], wait_s: float = 10.0) -> None:
+  """Finishes the Orbax coroutines still suspended after a failure (reads or writes that were in
+  flight when the first one failed).
+
+  Those on a loop that still runs are given `wait_s` seconds to finish, and their errors are
+  marked retrieved. Those that nothing drives any more (their loop stopped) are closed here:
+  Orbax's array read catches BaseException and raises its own error, so the GeneratorExit of
+  closing one would otherwise print "Exception ignored in: <coroutine ...>" with a long
+  TensorStore spec whenever the garbage collector gets to it.
+  """
+  coros = [c for c in objects if inspect.iscoroutine(c) and _orbax_code(c.cr_code)
+           and inspect.getcoroutinestate(c) == inspect.CORO_SUSPENDED]
+  if not coros:
+    return
+  tasks = {id(t.get_coro()): t for t in objects if isinstance(t, asyncio.Task)}
+  awaited = {id(c.cr_await) for c in coros if c.cr_await is not None}
+  roots = [c for c in coros if id(c) not in awaited]  # closing a root closes what it awaits
+  driven = [tasks[id(c)] for c in roots
+            if id(c) in tasks and tasks[id(c)].get_loop().is_running()]
+  deadline = time.monotonic() + wait_s
+  while any(not t.done() for t in driven) and time.monotonic() < deadline:
+    time.sleep(0.01)
+  for task in driven:
+    if task.done() and not task.cancelled() and getattr(task, "_exception", None) is not None:
+      task.exception()  # marks it retrieved
+  for coro in roots:
+    task = tasks.get(id(coro))
+    if task is not None and task.get_loop().is_running():
+      continue  # still driven by a live loop (past the wait): left to it
+    if task is not None:
+      task._log_destroy_pending = False  # its coroutine is closed below: nothing is pending
+    try:
+      coro.close()
+    except Exception:
+      pass  # Orbax's own error for the read that was cut short: already reported once
 
 
 def _read(what: str, fn: Callable[[], Any]) -> Any:

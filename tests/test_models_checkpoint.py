@@ -4,7 +4,11 @@ states, whose parameters load without the optimizer state."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import importlib.util
+import inspect
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -156,3 +160,40 @@ def test_settling_a_failed_orbax_call_leaves_the_callers_futures_alone():
     mine.exception()  # retrieved here, so nothing is printed when the test ends
   finally:
     loop.close()
+
+
+def test_settling_closes_orbax_reads_left_suspended_on_a_stopped_loop(tmp_path, monkeypatch):
+  """Reads still in flight when the first one failed stay suspended on a loop that no longer
+  runs. Orbax's read catches BaseException and raises its own error, so closing one at garbage
+  collection would print "Exception ignored in: <coroutine ...>"; `_after_failure` closes them
+  while quiet, and nothing reaches `sys.unraisablehook` afterwards."""
+  package = tmp_path / "orbax"  # `checkpoint._orbax_code` goes by the file's directory
+  package.mkdir()
+  (package / "fake_read.py").write_text(
+      "import asyncio\n"
+      "async def read(gate):\n"
+      "  try:\n"
+      "    await gate\n"
+      "  except BaseException as e:\n"
+      "    raise Exception('Encountered error while reading array index') from e\n")
+  spec = importlib.util.spec_from_file_location("fake_orbax_read", package / "fake_read.py")
+  fake_read = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(fake_read)
+  unraisable = []
+  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+  loop = asyncio.new_event_loop()
+  try:
+    gate = loop.create_future()
+    task = loop.create_task(fake_read.read(gate))
+    loop.run_until_complete(asyncio.sleep(0))  # the read starts and waits on the gate
+    assert inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_SUSPENDED
+    try:
+      raise RuntimeError("a failed read")
+    except RuntimeError as e:
+      checkpoint._after_failure(e)
+    assert inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CLOSED
+    del task
+    gc.collect()
+  finally:
+    loop.close()
+  assert unraisable == []
