@@ -1,0 +1,79 @@
+"""The package's layers (docs/design.md §7): ops -> models -> data -> training -> tasks -> cli,
+each importing only the layers before it, and no import cycle among modules."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "longformer_jax"
+LAYERS = ("ops", "models", "data", "training", "tasks", "cli")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  modules = {}
+  for path in ROOT.rglob("*.py"):
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return modules
+
+
+def _layer(module: str) -> str | None:
+  parts = module.split(".")
+  if len(parts) == 1:
+    return None  # the package itself re-exports from every layer
+  return parts[1] if parts[1] in LAYERS else "models"
+
+
+def _imports(path: pathlib.Path, modules, top_level_only: bool) -> set[str]:
+  """The package's modules `path` imports (`from a import b` counts a.b when it is a module)."""
+  tree = ast.parse(path.read_text())
+  nodes = tree.body if top_level_only else ast.walk(tree)
+  found = set()
+  for node in nodes:
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+      names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    elif isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    else:
+      continue
+    found.update(n for n in names if n in modules)
+  return found
+
+
+def test_each_layer_imports_only_the_layers_before_it():
+  modules = _modules()
+  upward = []
+  for module, path in modules.items():
+    if _layer(module) is None:
+      continue
+    for target in _imports(path, modules, top_level_only=False):
+      if _layer(target) is not None and (LAYERS.index(_layer(target))
+                                         > LAYERS.index(_layer(module))):
+        upward.append(f"{module} imports {target}")
+  assert not upward, upward
+
+
+def test_no_import_cycle_among_modules():
+  modules = _modules()
+  graph = {m: _imports(p, modules, top_level_only=True) - {m} for m, p in modules.items()}
+  # A package's __init__ importing its own submodules is how packages work, not a cycle.
+  for m in graph:
+    graph[m] = {t for t in graph[m] if not t.startswith(m + ".")}
+  done, stack = set(), []
+
+  def visit(m):
+    if m in stack:
+      pytest.fail("import cycle: " + " -> ".join(stack[stack.index(m):] + [m]))
+    if m in done:
+      return
+    stack.append(m)
+    for t in sorted(graph[m]):
+      visit(t)
+    stack.pop()
+    done.add(m)
+
+  for m in sorted(graph):
+    visit(m)
