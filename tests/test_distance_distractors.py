@@ -17,6 +17,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
 import distance_distractors as dd
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

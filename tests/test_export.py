@@ -31,11 +31,12 @@ from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig, LEDConfig
 from longformer_jax.ops import attention as ops
 from longformer_jax.ops.band_pallas import band_attention_pallas
-from tests.test_generation import RUN_MODEL, RUN_WINDOWS
-from tests.testing import (BATCH, SEQ, assert_close, make_model_inputs, seed_of,
-                           tiny_encoder_config)
+from testing import CHARLM_RUN_MODEL as RUN_MODEL
+from testing import CHARLM_RUN_WINDOWS as RUN_WINDOWS
+from testing import (BATCH, SEQ, assert_close, make_model_inputs, seed_of,
+                     tiny_encoder_config)
 
-pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("quick_compilation")]  # conftest.py
 
 TOL = 1e-5
 

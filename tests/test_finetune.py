@@ -20,7 +20,7 @@ from longformer_jax.data import finetune_data as fd
 from longformer_jax.tasks import finetune as ft
 from train import finetune as cli
 
-pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("quick_compilation")]  # conftest.py
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_suite
 
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
 SECTIONS = ("correctness", "attention", "model", "cudnn_window", "peers", "block_sweep")
 
 

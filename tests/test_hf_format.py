@@ -27,6 +27,8 @@ from flax import nnx
 from testing import make_model_inputs
 from longformer_jax import LEDConfig, LongformerConfig, convert, led, modeling
 
+pytestmark = pytest.mark.unit
+
 ATOL = 1e-5
 # The dense reference attention has the fewest ops to compile when run eagerly; it is not saved
 # (HF has no such field), so loading passes it again. tests/test_models_parity.py holds every

@@ -25,7 +25,9 @@ from longformer_jax.data import text, tokenized
 from longformer_jax.training import Stage, TrainConfig, Trainer, learning_rate_schedule
 from longformer_jax.tasks import mlm
 from longformer_jax.training import sources
-from tests.testing import seed_of
+from testing import seed_of
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("The quick brown fox jumps over the lazy dog near the river bank.\n"

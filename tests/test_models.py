@@ -20,6 +20,8 @@ from testing import BATCH, SEQ, VOCAB, make_model_inputs as make_inputs, tiny_en
 from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 
+pytestmark = pytest.mark.unit
+
 small_config = tiny_encoder_config
 
 

@@ -33,7 +33,7 @@ from train import seq2seq as cli
 
 tokenizers = pytest.importorskip("tokenizers", reason="pip install -e '.[torch]'")
 pytest.importorskip("rouge_score", reason="pip install -e '.[torch]'")
-pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("quick_compilation")]  # conftest.py
 
 WORDS = "abcdefgh"
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0, 1, 2, 3: BART's order

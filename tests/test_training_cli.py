@@ -12,6 +12,8 @@ from longformer_jax.training import TrainConfig
 from longformer_jax.training.overrides import apply_overrides
 from train.cli import add_distributed_args, initialize_distributed, load_config
 
+pytestmark = pytest.mark.unit
+
 CONFIGS = Path(__file__).parents[1] / "train" / "configs"
 
 
