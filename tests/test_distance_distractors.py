@@ -17,7 +17,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
 import distance_distractors as dd
 
-pytestmark = pytest.mark.unit
+pytestmark = pytest.mark.integration  # whole study runs in a subprocess
 
 
 @pytest.fixture(scope="module")

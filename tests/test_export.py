@@ -36,7 +36,8 @@ from testing import CHARLM_RUN_WINDOWS as RUN_WINDOWS
 from testing import (BATCH, SEQ, assert_close, make_model_inputs, seed_of,
                      tiny_encoder_config)
 
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("quick_compilation")]  # conftest.py
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.usefixtures("quick_compilation")]
 
 TOL = 1e-5
 

@@ -31,7 +31,8 @@ from testing import CHARLM_RUN_MODEL as RUN_MODEL
 from testing import CHARLM_RUN_WINDOWS as RUN_WINDOWS
 from testing import assert_close, seed_of, tolerance
 
-pytestmark = pytest.mark.unit
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,8 @@ from longformer_jax.tasks import mlm
 from longformer_jax.training import sources
 from testing import seed_of
 
-pytestmark = pytest.mark.unit
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("The quick brown fox jumps over the lazy dog near the river bank.\n"

@@ -17,7 +17,8 @@ from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_bpc, evaluate_run
 from longformer_jax.training import Stage, TrainConfig, Trainer, train
 
-pytestmark = pytest.mark.unit
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 CONFIG = LongformerConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3,
                           num_attention_heads=4, intermediate_size=96, max_position_embeddings=40,
