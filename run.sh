@@ -4,7 +4,8 @@
 #   ./run.sh demo    train char_tiny on the bundled Wikipedia sample (CPU, ~10 min), evaluate
 #                    test bits-per-character, plot the curves
 #   ./run.sh test    install the test extras (torch for the HF parity tests, libtpu for the
-#                    TPU compile tests) and run the tests
+#                    TPU compile tests) and run the whole suite (CI); extra args go to pytest
+#   ./run.sh fast    the same set-up, then the fast tier: -m "not integration and not slow"
 #   ./run.sh bench   the attention benchmark (benchmarks/attention.py), extra args passed on
 #
 # The interpreter: $PYTHON if set, else the first python >= 3.12 (3.12 preferred) found on
@@ -65,21 +66,24 @@ case "$cmd" in
     ensure_venv demo
     exec "$VENV/bin/python" -m train.charlm --config train/configs/char_tiny.py "$@"
     ;;
-  test)
+  test|fast)
     # tpu: libtpu's compile-only TPU client (tests/test_tpu_aot.py compiles for TPU slices on
     # this CPU). A venv with libtpu prints a few lines of libtpu warnings on the first jax use
     # when JAX_PLATFORMS is unset; JAX_PLATFORMS=cpu (the tests' setting) avoids them.
     ensure_venv test,torch,tpu
     "$VENV/bin/python" -c 'import jax, flax, sys; print(f"[run.sh] python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
     "$VENV/bin/python" -m ruff check .
-    exec "$VENV/bin/python" -m pytest -n 2 --dist loadscope "$@"
+    # Tiers are markers (pyproject.toml, tests/conftest.py); the fast tier leaves out the command
+    # lines, multi-process and whole training runs, and the costly kernel and TPU suites.
+    tier=(); [[ "$cmd" == fast ]] && tier=(-m "not integration and not slow")
+    exec "$VENV/bin/python" -m pytest -n 2 --dist loadscope "${tier[@]}" "$@"
     ;;
   bench)
     ensure_venv test
     exec "$VENV/bin/python" benchmarks/attention.py "$@"
     ;;
   *)
-    sed -n '2,10p' "$0"
+    sed -n '2,11p' "$0"
     exit 2
     ;;
 esac

@@ -1,5 +1,11 @@
 """Shared test set-up: deterministic, CPU-only JAX (set JAX_PLATFORMS=cuda or tpu to run the
-compiled-kernel test classes on an accelerator), and the `GRID` parametrization hook."""
+compiled-kernel test classes on an accelerator), the `GRID` parametrization hook, and the check
+that every test names its tier.
+
+Tiers (markers registered in pyproject.toml): each test module sets a module-level `pytestmark`
+with one of `unit`, `kernels`, `integration`, `tpu`, `gpu`, plus `slow` where it is too costly
+for the edit loop; a class or test may add marks of its own. The fast tier is
+`-m "not integration and not slow"` (`./run.sh fast`); the full suite is everything."""
 
 import os
 import pathlib
@@ -19,6 +25,19 @@ import jax
 import pytest
 
 import testing
+
+
+TIERS = ("unit", "kernels", "integration", "tpu", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+  """Refuses a run in which a test names no tier: a module without its `pytestmark` would
+  otherwise fall silently into (or out of) the fast tier."""
+  untiered = sorted({item.nodeid.split("::")[0] for item in items
+                     if not any(item.get_closest_marker(tier) for tier in TIERS)})
+  if untiered:
+    raise pytest.UsageError(f"test modules without a tier mark (one of {', '.join(TIERS)}; "
+                            f"tests/conftest.py): {', '.join(untiered)}")
 
 
 def pytest_generate_tests(metafunc):

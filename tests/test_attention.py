@@ -1,7 +1,7 @@
 """The attention op against its dense reference (docs/design.md §1), for every fast implementation.
 
 `TestChunked` holds the whole suite; another implementation reruns all of it by subclassing with
-a different `IMPL` (see tests/test_attention_pallas.py), so no test is written twice.
+a different `IMPL` (`TestPallas`, at the end), so no test is written twice.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 
 from longformer_jax import ops
-from testing import TOLERANCE_VS_FLOAT32, seed_of, tolerance
+from testing import TOLERANCE_VS_FLOAT32, expected_keys, seed_of, tolerance
 from testing import AttentionCase as Case
 from testing import make_attention_inputs as make_inputs
 
 # Compile time dominates these tiny shapes: XLA's cheaper optimisation level (conftest.py).
-pytestmark = pytest.mark.usefixtures("quick_compilation")
+# `TestPallas` adds the kernels and slow marks: it interprets the Pallas kernel on a CPU.
+pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("quick_compilation")]
 
 
 def _grid():
@@ -41,20 +42,6 @@ def _grid():
 
 
 GRID = _grid()
-
-
-def expected_keys(case: Case, attention_mask, global_mask, b: int, i: int, head: int):
-  """docs/design.md §1 with Python sets: (local keys, global-projection keys) of query i."""
-  real = {j for j in range(case.seq) if attention_mask[b, j]}
-  if i not in real:
-    return set(), set()
-  if global_mask is not None and global_mask[b, i]:
-    return set(), real
-  d = case.dilation if isinstance(case.dilation, int) else case.dilation[head]
-  steps = range(0, case.window + 1) if case.causal else range(-case.window, case.window + 1)
-  band = {i - d * t for t in steps} if case.causal else {i + d * t for t in steps}
-  globals_ = set() if global_mask is None else {j for j in real if global_mask[b, j]}
-  return (band & real) | globals_, set()
 
 
 class TestChunked:
@@ -302,3 +289,17 @@ def test_traced_global_mask_needs_max_global():
                                                    global_qkv=(q, q, q)))
   with pytest.raises(ValueError, match="max_global"):
     f(jnp.ones((1, 6), bool))
+
+
+@pytest.mark.kernels
+@pytest.mark.slow
+class TestPallas(TestChunked):
+  """The whole suite rerun with the Pallas band kernel.
+
+  `longformer_attention(impl="pallas")` offers no switch between the compiled kernel and Pallas
+  interpret mode: it runs the kernel compiled on GPU/TPU and interpreted on CPU, as
+  `jax.default_backend()` dictates (longformer_jax/ops/attention.py). So, unlike
+  tests/test_band_pallas.py, there is one class, which runs wherever the op runs: on CPU the
+  Triton-style kernel in interpret mode, forward and gradients, float32 and 16-bit, with the same
+  tolerances as the chunked path."""
+  IMPL = "pallas"

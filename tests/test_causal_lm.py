@@ -11,6 +11,8 @@ from longformer_jax import causal_lm
 from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig
 
+pytestmark = pytest.mark.unit
+
 TINY = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                     intermediate_size=64, attention_window=(3, 5),
                     attention_dilation=((1, 1, 1, 1), (1, 1, 2, 3)))

@@ -22,6 +22,8 @@ from testing import make_model_inputs as make_inputs
 from longformer_jax import convert, modeling
 from longformer_jax.config import LongformerConfig
 
+pytestmark = pytest.mark.unit
+
 HF_CLASSES = [transformers.LongformerModel, transformers.LongformerForMaskedLM,
               transformers.LongformerForSequenceClassification,
               transformers.LongformerForQuestionAnswering,

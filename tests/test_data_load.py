@@ -20,6 +20,8 @@ import pytest
 
 from longformer_jax.data import DATASETS, corpora, load_split
 
+pytestmark = pytest.mark.unit
+
 builders = pytest.importorskip("longformer_jax.data.builders")
 
 REPO = Path(__file__).resolve().parents[1]

@@ -5,6 +5,8 @@ import pytest
 
 from longformer_jax.data import BatchSampler
 
+pytestmark = pytest.mark.unit
+
 DATA = np.random.default_rng(0).integers(0, 256, size=10_007, dtype=np.uint8)
 
 

@@ -10,6 +10,8 @@ import pytest
 
 from longformer_jax.data import corpora, wikifil
 
+pytestmark = pytest.mark.unit
+
 T = b'<text xml:space="preserve">'
 
 CASES = [

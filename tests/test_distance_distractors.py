@@ -18,6 +18,8 @@ sys.path.insert(0, str(REPO / "experiments"))
 import distance_distractors as dd
 import distance_task as dt
 
+pytestmark = pytest.mark.integration  # whole study runs in a subprocess
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

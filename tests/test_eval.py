@@ -12,6 +12,8 @@ from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 from longformer_jax.config import CharLMConfig
 from longformer_jax.tasks.charlm import evaluate_bpc, evaluate_nll, window_plan
 
+pytestmark = pytest.mark.unit
+
 MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                      intermediate_size=64, attention_window=(4, 8))
 

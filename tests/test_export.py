@@ -31,11 +31,13 @@ from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig, LEDConfig
 from longformer_jax.ops import attention as ops
 from longformer_jax.ops.band_pallas import band_attention_pallas
-from tests.test_generation import RUN_MODEL, RUN_WINDOWS
-from tests.testing import (BATCH, SEQ, assert_close, make_model_inputs, seed_of,
-                           tiny_encoder_config)
+from testing import CHARLM_RUN_MODEL as RUN_MODEL
+from testing import CHARLM_RUN_WINDOWS as RUN_WINDOWS
+from testing import (BATCH, SEQ, assert_close, make_model_inputs, seed_of,
+                     tiny_encoder_config)
 
-pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.usefixtures("quick_compilation")]
 
 TOL = 1e-5
 

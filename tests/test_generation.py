@@ -27,7 +27,12 @@ from longformer_jax.config import CharLMConfig
 from longformer_jax.generation import SamplingConfig
 from longformer_jax.tasks import CharLMTask
 from longformer_jax.training import Stage, TrainConfig, train
-from tests.testing import assert_close, seed_of, tolerance
+from testing import CHARLM_RUN_MODEL as RUN_MODEL
+from testing import CHARLM_RUN_WINDOWS as RUN_WINDOWS
+from testing import assert_close, seed_of, tolerance
+
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -222,14 +227,6 @@ def test_bad_arguments_are_named(call, match):
 
 # ----------------------------------------------------------------------------------------------
 # python -m eval.sample on a run trained here.
-
-# One layer and the dense reference band op: training compiles its step, its checkpoint checks
-# and its checksums, which dominate this part's time.
-RUN_MODEL = CharLMConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                         intermediate_size=64, attention_window=8, attention_dilation=((1, 2),),
-                         attention_impl="reference")
-RUN_WINDOWS = (5,)  # the stage's windows, not the model config's: the CLI must use these
-
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):

@@ -18,6 +18,8 @@ from flax import nnx
 
 import longformer_jax as lj
 
+pytestmark = pytest.mark.unit
+
 ENCODER = lj.LongformerConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
                               num_attention_heads=4, intermediate_size=64,
                               max_position_embeddings=40, attention_window=(2, 3))

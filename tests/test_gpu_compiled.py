@@ -26,6 +26,8 @@ from longformer_jax import LongformerForMaskedLM, ops
 from testing import (AttentionCase, assert_close, make_attention_inputs, make_model_inputs,
                      seed_of, tiny_encoder_config, tolerance)
 
+pytestmark = pytest.mark.gpu
+
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the custom call of a compiled Pallas Triton kernel
 # head_dim 64 (the base model's); seq 1000 is no multiple of the kernel blocks (padding path);
 # the window is well inside the sequence, so dilation and band skipping both matter.

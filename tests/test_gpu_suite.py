@@ -25,6 +25,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from suite import common
 from suite.cudnn_window import bisect_divergence, cudnn_verdict
 
+pytestmark = [pytest.mark.gpu, pytest.mark.integration]
+
 SECTIONS = ("correctness", "attention", "model", "cudnn_window", "peers", "block_sweep")
 
 

@@ -27,6 +27,9 @@ from flax import nnx
 from testing import make_model_inputs
 from longformer_jax import LEDConfig, LongformerConfig, convert, led, modeling
 
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
 ATOL = 1e-5
 # The dense reference attention has the fewest ops to compile when run eagerly; it is not saved
 # (HF has no such field), so loading passes it again. tests/test_models_parity.py holds every

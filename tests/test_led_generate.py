@@ -24,6 +24,8 @@ transformers = pytest.importorskip("transformers", reason=_NEEDS)
 from hf_testing import randomise_
 from longformer_jax import convert, led, search
 
+pytestmark = pytest.mark.unit
+
 VOCAB, EOS, PAD, START = 48, 2, 1, 2  # HF LEDConfig's token ids (eos = decoder start)
 ENC_LEN, ENC_LENGTHS = 21, (21, 15, 6, 11)
 MAX_NEW = 14

@@ -12,6 +12,8 @@ from flax.core import meta
 from testing import make_model_inputs as make_inputs, tiny_encoder_config
 from longformer_jax import linen, modeling
 
+pytestmark = pytest.mark.unit
+
 CONFIG = tiny_encoder_config()
 
 

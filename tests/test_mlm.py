@@ -26,7 +26,10 @@ from longformer_jax.data.tokenizer import special_ids
 from longformer_jax.training import Stage, TrainConfig, Trainer, learning_rate_schedule
 from longformer_jax.tasks import mlm
 from longformer_jax.training import sources
-from tests.testing import seed_of
+from testing import seed_of
+
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = ("The quick brown fox jumps over the lazy dog near the river bank.\n"

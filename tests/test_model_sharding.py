@@ -16,6 +16,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.integration
+
 _SCRIPT = r'''
 import dataclasses
 import jax, jax.numpy as jnp, numpy as np

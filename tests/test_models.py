@@ -20,6 +20,8 @@ from testing import BATCH, SEQ, VOCAB, make_model_inputs as make_inputs, tiny_en
 from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 
+pytestmark = pytest.mark.unit
+
 small_config = tiny_encoder_config
 
 
@@ -348,6 +350,7 @@ _SEQUENCE_PARALLEL = textwrap.dedent("""
 """)
 
 
+@pytest.mark.integration  # a subprocess on 4 simulated devices
 def test_sequence_parallel_forward_equals_one_device():
   """A masked LM built with a mesh whose seq axis splits every sequence over 4 (simulated)
   devices gives the logits and parameter gradients of the model without a mesh: band halos,

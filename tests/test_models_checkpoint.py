@@ -21,6 +21,9 @@ from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_bpc, evaluate_run
 from longformer_jax.training import Stage, TrainConfig, Trainer, train
 
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
+
 CONFIG = LongformerConfig(vocab_size=64, hidden_size=64, num_hidden_layers=3,
                           num_attention_heads=4, intermediate_size=96, max_position_embeddings=40,
                           type_vocab_size=2, attention_window=(2, 4, 3),

@@ -21,6 +21,8 @@ from hf_testing import random_longformer
 from testing import BATCH, make_model_inputs as make_inputs
 from longformer_jax import LongformerConfig, LongformerForMaskedLM, convert, ops
 
+pytestmark = pytest.mark.unit
+
 ATOL = 1e-5
 
 

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).parents[1]
 STEPS = 12

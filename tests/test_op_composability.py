@@ -25,6 +25,9 @@ from testing import AttentionCase as Case
 from testing import make_attention_inputs as make_inputs
 from testing import rerun_on_devices, seed_of
 
+# A subprocess on 4 simulated devices.
+pytestmark = pytest.mark.integration
+
 DEVICES = 4
 
 if jax.device_count() < DEVICES:
@@ -34,7 +37,7 @@ if jax.device_count() < DEVICES:
 
 else:
 
-  pytestmark = pytest.mark.usefixtures("quick_compilation")
+  pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("quick_compilation")]
 
   # Batch over 'data', heads over 'model'; rows after the first are padded. CAUSAL has one
   # dilation per head (each head shard holds (2, 1)); the Pallas cases keep one dilation for

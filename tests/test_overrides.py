@@ -18,6 +18,8 @@ from longformer_jax.training import Stage, TrainConfig, apply_overrides
 from longformer_jax.training.overrides import parse_value
 from longformer_jax.cli.driver import load_config
 
+pytestmark = pytest.mark.unit
+
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "train" / "configs"
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # whole study runs in a subprocess
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "position_copy.py"
 TOY = ["--vocab", "300", "--hidden", "16", "--layers", "1", "--heads", "2", "--short-len", "8",

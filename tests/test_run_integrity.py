@@ -32,7 +32,9 @@ from longformer_jax import checkpoint
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_run
 from longformer_jax.training import (RunMismatchError, Trainer, check_resume, config_record,
                                      read_run_config)
-from tests.testing import seed_of
+from testing import seed_of
+
+pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8

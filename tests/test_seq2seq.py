@@ -33,7 +33,8 @@ from longformer_jax.cli.train import seq2seq as cli
 
 tokenizers = pytest.importorskip("tokenizers", reason="pip install -e '.[torch]'")
 pytest.importorskip("rouge_score", reason="pip install -e '.[torch]'")
-pytestmark = pytest.mark.usefixtures("quick_compilation")  # conftest.py
+# slow: in-process, but most of the cost is training runs, command lines and subprocesses.
+pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.usefixtures("quick_compilation")]
 
 WORDS = "abcdefgh"
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0, 1, 2, 3: BART's order

@@ -19,13 +19,13 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from longformer_jax import ops
-from test_attention import expected_keys
 from testing import AttentionCase as Case
 from testing import make_attention_inputs as make_inputs
-from testing import rerun_on_devices, seed_of
+from testing import expected_keys, rerun_on_devices, seed_of
 
-# Compile time dominates (conftest.py); the 8-device rerun of this module uses it too.
-pytestmark = pytest.mark.usefixtures("quick_compilation")
+# A subprocess on 8 simulated devices. Compile time dominates (conftest.py); the 8-device rerun
+# of this module uses it too.
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("quick_compilation")]
 
 DEVICES = 8
 

@@ -17,6 +17,8 @@ sys.path.insert(0, str(REPO / "experiments"))
 import dilation
 import window_schedule
 
+pytestmark = pytest.mark.unit
+
 SEEDS = [0, 1]
 
 

@@ -23,6 +23,8 @@ from longformer_jax import ops
 from longformer_jax.ops.band_pallas import band_attention_pallas
 import tpu_testing
 
+pytestmark = [pytest.mark.tpu, pytest.mark.slow]
+
 # The base model's attention shape (docs/design.md §6).
 HEADS, HEAD_DIM, WINDOW = 12, 64, 256
 

@@ -28,6 +28,8 @@ from longformer_jax.training import (LOGICAL_RULES, NonFiniteLossError, Stage,
                                      paper_stages, read_run_config, train, write_run_config)
 from longformer_jax.training.sharding import seq_axis
 
+pytestmark = pytest.mark.integration
+
 MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                      intermediate_size=64, attention_window=(4, 8))
 

@@ -16,6 +16,8 @@ from longformer_jax.training import TrainConfig
 from longformer_jax.training.overrides import apply_overrides
 from longformer_jax.cli.driver import add_distributed_args, initialize_distributed, load_config
 
+pytestmark = pytest.mark.unit
+
 ROOT = Path(__file__).parents[1]
 CONFIGS = ROOT / "train" / "configs"
 

@@ -1,8 +1,10 @@
 """Helpers shared by the test files: reproducible seeds, per-dtype tolerances, one closeness
 assertion, random attention inputs, and the `GRID` parametrization hook of tests/conftest.py.
 
-Only jax, numpy and pytest are imported here (no torch, no model code), so any test may import
-it; torch-based helpers live in tests/hf_testing.py.
+Only jax, numpy, pytest and the package's configs are imported here (no torch, no model code),
+so any test may import it; torch-based helpers live in tests/hf_testing.py. Test modules import
+helpers from here (`from testing import ...`: pyproject's pytest `pythonpath` puts tests/ on the
+path), never from another test module.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+from longformer_jax.config import CharLMConfig
 
 # ---------------------------------------------------------------------------------------------
 # Seeds
@@ -122,6 +126,20 @@ def make_attention_inputs(case: AttentionCase, seed: int, dtype=jnp.float32):
   return (q, k, v), kwargs
 
 
+def expected_keys(case: AttentionCase, attention_mask, global_mask, b: int, i: int, head: int):
+  """docs/design.md §1 with Python sets: (local keys, global-projection keys) of query i."""
+  real = {j for j in range(case.seq) if attention_mask[b, j]}
+  if i not in real:
+    return set(), set()
+  if global_mask is not None and global_mask[b, i]:
+    return set(), real
+  d = case.dilation if isinstance(case.dilation, int) else case.dilation[head]
+  steps = range(0, case.window + 1) if case.causal else range(-case.window, case.window + 1)
+  band = {i - d * t for t in steps} if case.causal else {i + d * t for t in steps}
+  globals_ = set() if global_mask is None else {j for j in real if global_mask[b, j]}
+  return (band & real) | globals_, set()
+
+
 # ---------------------------------------------------------------------------------------------
 # The GRID hook (called by tests/conftest.py's pytest_generate_tests)
 
@@ -178,6 +196,17 @@ def make_model_inputs(seed: int = 0) -> dict[str, np.ndarray]:
   global_mask[1, [0, 20]] = 1
   return dict(input_ids=ids, attention_mask=attention_mask, global_attention_mask=global_mask,
               token_type_ids=rng.integers(0, 2, (BATCH, SEQ)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Char-LM sample run: the model and stage windows of the tiny trained workdir the sampling and
+# export command-line tests read. One layer and the dense reference band op: training compiles
+# its step, its checkpoint checks and its checksums, which dominate that run's time.
+
+CHARLM_RUN_MODEL = CharLMConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                intermediate_size=64, attention_window=8,
+                                attention_dilation=((1, 2),), attention_impl="reference")
+CHARLM_RUN_WINDOWS = (5,)  # the stage's windows, not the model config's: the CLI must use these
 
 
 # ---------------------------------------------------------------------------------------------
