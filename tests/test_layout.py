@@ -8,6 +8,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "longformer_jax"
 LAYERS = ("ops", "models", "data", "training", "tasks", "cli")
 
