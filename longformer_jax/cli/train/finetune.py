@@ -33,6 +33,8 @@ from longformer_jax.cli.driver import (
     Plan, TrainCommand, nonnegative_int, positive_float, positive_int)
 from longformer_jax.tasks.finetune import KINDS, FinetuneOptions
 
+TASKS = tuple(KINDS)
+
 
 class Finetune(TrainCommand):
   prog = "train.finetune"
@@ -43,7 +45,7 @@ class Finetune(TrainCommand):
   options_class = FinetuneOptions
 
   def add_arguments(self, parser):
-    parser.add_argument("--task", default=None, choices=tuple(KINDS))
+    parser.add_argument("--task", default=None, choices=TASKS)
     parser.add_argument("--model", default=None,
                         help="HF Longformer or RoBERTa directory, project checkpoint or "
                              "workdir, or a model preset (tiny, base, large); not needed with "
