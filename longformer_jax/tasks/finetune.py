@@ -387,9 +387,9 @@ def starting_params(source: ModelSource, task: FinetuneTask, cfg: TrainConfig
 
 
 def finetune_tiny() -> dict[str, Any]:
-  """The `tiny` model (fresh weights, 4,096 positions) on short records, CPU-sized: rows of 128
-  tokens, 150 steps of 8 records at learning rate 3e-3 (docs/finetune.md: on the tests' toy data
-  this scores 1.0 on classification, QA and tagging). --task and the files come from the command
+  """The `tiny` model (fresh weights) on short records, CPU-sized: rows of 128 tokens (longer
+  records are cut), 150 steps of 8 records at learning rate 3e-3, the steps, batch and learning
+  rate docs/finetune.md measures on toy data. --task and the files come from the command
   line."""
   return {"model": "tiny", "max_length": 128, "steps": 150, "batch_size": 8,
           "learning_rate": 3e-3}
