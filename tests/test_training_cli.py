@@ -197,3 +197,119 @@ def test_distributed_flags_and_environment_reach_jax(monkeypatch):
   assert _initialize(monkeypatch, ["--distributed", "off"], **env) == (None, [])
   with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not an integer"):
     _initialize(monkeypatch, ["--distributed", "on"], JAX_PROCESS_ID="one")
+
+
+def _printed(command: str, argv: list[str], capsys) -> dict:
+  """The JSON `command` prints for `argv --print-config` (status 0)."""
+  _, main = _entry_point(_scripts()[command])
+  assert main(argv + ["--print-config"]) == 0
+  return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", ["char_tiny", "char_small", "char_large"])
+def test_char_presets_are_their_config_files(name, capsys, tmp_path):
+  from longformer_jax.training import presets
+  import longformer_jax.tasks.charlm  # noqa: F401 (registers the presets)
+  assert presets.get("charlm", name) == load_config(str(CONFIGS / f"{name}.py"))
+  workdir = ["--workdir", str(tmp_path / "run")]
+  by_preset = _printed("longformer-train-charlm", ["--preset", name] + workdir, capsys)
+  by_file = _printed("longformer-train-charlm",
+                     ["--config", str(CONFIGS / f"{name}.py")] + workdir, capsys)
+  assert by_preset == by_file
+
+
+@pytest.mark.parametrize("command", ["longformer-train-charlm", "longformer-train-finetune",
+                                     "longformer-train-seq2seq", "longformer-train-mlm"])
+def test_unknown_preset_is_one_line_and_status_2(command, capsys):
+  _, main = _entry_point(_scripts()[command])
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--preset", "nope", "--print-config"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and "unknown preset 'nope'" in err
+
+
+def test_finetune_settings_resolve_config_then_flags_then_set(capsys, tmp_path):
+  records = tmp_path / "records.jsonl"
+  records.write_text("".join(json.dumps({"input_ids": [5, 6, 7], "label": i % 3}) + "\n"
+                             for i in range(6)))
+  config = tmp_path / "qa_config.py"
+  config.write_text(
+      "def get_config():\n"
+      f"  return {{'task': 'classification', 'model': 'tiny', 'train': {str(records)!r},\n"
+      "          'steps': 20, 'max_length': 16, 'batch_size': 4,\n"
+      "          'stages.0.warmup_steps': 3, 'global_attention': 'none'}\n")
+  base = ["--config", str(config), "--workdir", str(tmp_path / "run")]
+  printed = _printed("longformer-train-finetune", base, capsys)
+  stage = printed["config"]["stages"][0]
+  assert (stage["steps"], stage["seq_len"], stage["batch_size"], stage["warmup_steps"]) == (
+      20, 16, 4, 3)
+  assert printed["options"]["global_attention"] == "none"
+  assert printed["config"]["model"]["num_labels"] == 3
+  assert printed["flags"]["task"] == "classification" and printed["flags"]["steps"] == 20
+  # A flag overrides the config's value; --set comes last, over flags and the config's paths.
+  printed = _printed("longformer-train-finetune",
+                     base + ["--steps", "7", "--batch-size", "2", "--set", "stages.0.steps=9",
+                             "--set", "stages.0.warmup_steps=1"], capsys)
+  stage = printed["config"]["stages"][0]
+  assert (stage["steps"], stage["batch_size"], stage["warmup_steps"]) == (9, 2, 1)
+  assert printed["flags"]["steps"] == 7
+  # The registered preset: defaults of the flags, --task and the files from the command line.
+  printed = _printed("longformer-train-finetune",
+                     ["--preset", "finetune_tiny", "--task", "classification", "--train",
+                      str(records), "--workdir", str(tmp_path / "run")], capsys)
+  stage = printed["config"]["stages"][0]
+  assert (stage["steps"], stage["seq_len"], stage["learning_rate"]) == (150, 128, 3e-3)
+  assert printed["config"]["model"]["hidden_size"] == 64  # the tiny model
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("'steps': 0", "steps: must be >= 1, got 0"),
+    ("'task': 'poetry'", "task must be one of"),
+    ("'stages.0.stepz': 3", "unknown field 'stepz'"),
+])
+def test_a_bad_setting_of_a_config_is_one_line_and_status_2(setting, message, capsys,
+                                                            tmp_path):
+  config = tmp_path / "bad.py"
+  config.write_text("def get_config():\n  return {'task': 'qa', 'model': 'tiny', "
+                    f"'train': 'x.jsonl', {setting}}}\n")
+  _, main = _entry_point(_scripts()["longformer-train-finetune"])
+  with pytest.raises(SystemExit) as exit_info:
+    main(["--config", str(config), "--print-config", "--workdir", str(tmp_path / "run")])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and message in err
+
+
+def test_seq2seq_settings_resolve_preset_then_flags_then_set(capsys, tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  from tokenizers import models
+  vocab = {t: i for i, t in enumerate(("<s>", "<pad>", "</s>", "<unk>", "a", "b"))}
+  tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(
+      str(tmp_path / "tokenizer.json"))
+  pairs = tmp_path / "pairs.jsonl"
+  pairs.write_text(json.dumps({"source": "a b", "target": "b"}) + "\n")
+  base = ["--preset", "seq2seq_tiny", "--tokenizer", str(tmp_path / "tokenizer.json"),
+          "--train", str(pairs), "--workdir", str(tmp_path / "run")]
+  printed = _printed("longformer-train-seq2seq", base, capsys)
+  stage = printed["config"]["stages"][0]
+  assert (stage["steps"], stage["seq_len"], stage["batch_size"]) == (300, 12, 16)
+  assert printed["config"]["final_eval"]["max_new_tokens"] == 10
+  printed = _printed("longformer-train-seq2seq",
+                     base + ["--steps", "5", "--max-source-length", "16", "--set",
+                             "stages.0.steps=6"], capsys)
+  stage = printed["config"]["stages"][0]
+  assert (stage["steps"], stage["seq_len"]) == (6, 16)
+  # A config file that starts from the preset.
+  config = tmp_path / "led.py"
+  config.write_text("from longformer_jax.training import presets\n"
+                    "import longformer_jax.tasks.seq2seq\n"
+                    "def get_config():\n"
+                    "  return {**presets.get('seq2seq', 'seq2seq_tiny'), 'num_beams': 2,\n"
+                    "          'eval_every': 7}\n")
+  printed = _printed("longformer-train-seq2seq",
+                     ["--config", str(config)] + base[2:] + ["--num-beams", "3"], capsys)
+  assert printed["config"]["final_eval"]["num_beams"] == 3
+  assert printed["config"]["eval_every"] == 7
+  assert not (tmp_path / "run").exists()

@@ -1,19 +1,31 @@
 """The one driver of every entry point: its command line, its settings, its exit status.
 
-A training command (`TrainCommand`) resolves its settings in one order, whatever the task:
+Every training command (`TrainCommand`) takes its settings in one order, whatever the task:
 
-  1. the base `TrainConfig`: a config file (`--config path.py`, whose `get_config()` returns
-     one), a named preset (`--preset NAME`, `training.presets`), or the command's own flags
-     (fine-tuning and seq2seq build it from `--model` and the data);
-  2. the command's shorthand flags (e.g. `--steps`, `--data`), which set config fields;
-  3. `--set path=value` overrides (`training.apply_overrides`, parsed to the field types); a path
-     whose first name is a field of the task's options (`TrainCommand.options_class`) sets that
-     instead, so the task's settings beside the TrainConfig take `--set` the same way.
+  1. a config file (`--config path.py`, whose `get_config()` returns the command's settings) or
+     a named preset (`--preset NAME`, `training.presets`; `--help` lists them). Its form is the
+     command's:
+       * a `TrainConfig` (train.charlm, train.mlm): the base config;
+       * a mapping (train.finetune, train.seq2seq, whose TrainConfig is built from `--model`
+         and the data): settings by name, e.g. {"task": "qa", "model": "tiny", "steps": 20,
+         "max_length": 512, "stages.0.warmup_steps": 0}. A key that names one of the command's
+         flags (its dest: max_length for --max-length) is that flag's default, checked as the
+         flag is; any other key is a `--set` path, applied before the command line's. A setting
+         that has a flag is best given by the flag's name, so that the flag overrides it.
+  2. the command's flags (e.g. `--steps`, `--data`): given on the command line, they override
+     the config or preset;
+  3. `--set path=value` overrides, last (`training.apply_overrides`, parsed to the field types);
+     a path whose first name is a field of the task's options (`TrainCommand.options_class`)
+     sets that instead, so the task's settings beside the TrainConfig take `--set` the same way.
 
-`--print-config` prints the resolved settings as JSON and exits 0, writing nothing; `--help`
-lists every setting with its type and default. Then the run: the mesh, `training.train` with
-the task, the task's final evaluation (`Task.final_evaluation`) and results.json, each file
-written whole or not at all by process 0.
+A config file may start from a preset and change it:
+`return {**presets.get("finetune", "finetune_tiny"), "steps": 50}`.
+
+`--print-config` prints the resolved settings as JSON ("config", "options", and "flags": the
+command's own flags) and exits 0, writing nothing; `--help` lists every setting with its type
+and default. Then the run: the mesh, `training.train` with the task, the task's final
+evaluation (`Task.final_evaluation`) and results.json, each file written whole or not at all by
+process 0.
 
 Exit status, the same for every command (eval commands too):
 
@@ -35,7 +47,7 @@ import sys
 import time
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +98,8 @@ positive_float = _bounded(float, lambda v: v > 0, "> 0")  # nan is not > 0
 
 
 def load_config(path: str):
-  """`get_config()` of a config file, imported by path."""
+  """`get_config()` of a config file, imported by path (the command's settings: a TrainConfig
+  or a mapping, module docstring)."""
   spec = importlib.util.spec_from_file_location(f"config_{Path(path).stem}", path)
   if spec is None or spec.loader is None:
     raise ValueError(f"cannot import a config from {path!r}")
@@ -162,6 +175,38 @@ def split_overrides(assignments: Sequence[str], options_class: type | None
   names = {f.name for f in dataclasses.fields(options_class)}
   mine = [a for a in assignments if a.partition("=")[0].strip().split(".")[0] in names]
   return mine, [a for a in assignments if a not in mine]
+
+
+# Flags of the driver itself that a config's mapping cannot set.
+_NOT_SETTINGS = ("help", "config", "preset", "set", "print_config")
+
+
+def flag_defaults(parser: argparse.ArgumentParser, settings: Any, origin: str
+                  ) -> tuple[dict[str, Any], list[str]]:
+  """({flag dest: default}, `--set` assignments) of a mapping of settings (module docstring):
+  a key naming a flag of `parser` is its default, parsed and checked as the flag is (its type,
+  its choices); any other key is a --set path, its value written as --set takes it."""
+  if not isinstance(settings, Mapping):
+    raise TypeError(f"{origin} gives a {type(settings).__name__}; expected a mapping of "
+                    f"settings by flag name or --set path")
+  flags = {a.dest: a for a in parser._actions
+           if a.option_strings and a.dest not in _NOT_SETTINGS}
+  defaults, assignments = {}, []
+  for key, value in settings.items():
+    action = flags.get(key)
+    if action is None:
+      text = value if isinstance(value, str) else repr(value)
+      assignments.append(f"{key}={text}")
+      continue
+    if action.type is not None and value is not None:
+      try:
+        value = action.type(value if isinstance(value, str) else str(value))
+      except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+        raise ValueError(f"{origin}: {key}: {e}") from None
+    if action.choices is not None and value is not None and value not in action.choices:
+      raise ValueError(f"{origin}: {key} must be one of {tuple(action.choices)}, got {value!r}")
+    defaults[key] = value
+  return defaults, assignments
 
 
 def usage_error(parser: argparse.ArgumentParser, error: Exception) -> typing.NoReturn:
@@ -241,16 +286,20 @@ class Plan:
 class TrainCommand(abc.ABC):
   """One training entry point: its flags, how they resolve to settings, and its task.
 
-  Subclasses set `prog` and `doc`, and may set `preset_task` (the `training.presets` task name:
-  enables --preset), `default_preset`, `config_files` (enables --config) and `options_class` (a
-  frozen dataclass of the task's settings beside the TrainConfig).
+  Subclasses set `prog`, `doc` and `preset_task` (the task module, `longformer_jax.tasks.<name>`,
+  whose `training.presets` entries --preset names), and may set `default_preset` (without
+  --config or --preset), `flag_settings` (--config and --preset give a mapping of settings by
+  flag name, module docstring, instead of a TrainConfig), `required` (flag dests that must have
+  a value once the config's defaults apply) and `options_class` (a frozen dataclass of the
+  task's settings beside the TrainConfig).
   """
 
   prog: str
   doc: str
-  preset_task: str | None = None
+  preset_task: str
   default_preset: str | None = None
-  config_files: bool = True
+  flag_settings: bool = False
+  required: tuple[str, ...] = ()
   options_class: type | None = None
 
   def add_arguments(self, parser: argparse.ArgumentParser) -> None:  # noqa: B027 (optional)
@@ -265,11 +314,11 @@ class TrainCommand(abc.ABC):
     return None if self.options_class is None else self.options_class()
 
   def base_config(self, args: argparse.Namespace, options: Any, workdir):
-    """The TrainConfig before shorthands and --set, when neither --config nor --preset is
-    given (default: the default preset)."""
+    """The TrainConfig before shorthands and --set when no config file or preset gave one (a
+    `flag_settings` command builds it from its flags; default: the default preset)."""
     from longformer_jax.training import presets
     if self.default_preset is None:
-      raise ValueError("give --config FILE" + (" or --preset NAME" if self.preset_task else ""))
+      raise ValueError("give --config FILE or --preset NAME")
     return presets.get(self.preset_task, self.default_preset)
 
   def shorthands(self, args: argparse.Namespace, cfg):
@@ -295,23 +344,21 @@ class TrainCommand(abc.ABC):
   # -- the driver
 
   def parser(self) -> Parser:
-    from longformer_jax.training import Stage, TrainConfig
+    from longformer_jax.training import Stage, TrainConfig, presets
     groups = [("", TrainConfig), ("stages.N.", Stage)]
     if self.options_class is not None:
       groups.append(("", self.options_class))
     parser = Parser(self.prog, self.doc, epilog=settings_help(*groups))
-    if self.config_files or self.preset_task:
-      source = parser.add_mutually_exclusive_group()
-      if self.config_files:
-        source.add_argument("--config", default=None, metavar="FILE",
-                            help="a config file whose get_config() returns a TrainConfig")
-      if self.preset_task:
-        from longformer_jax.training import presets
-        self._import_task()
-        names = ", ".join(presets.names(self.preset_task))
-        source.add_argument("--preset", default=None, metavar="NAME",
-                            help=f"a named TrainConfig: {names} (default: "
-                                 f"{self.default_preset})")
+    importlib.import_module(f"longformer_jax.tasks.{self.preset_task}")  # registers the presets
+    form = "a mapping of settings by flag name" if self.flag_settings else "a TrainConfig"
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", default=None, metavar="FILE",
+                        help=f"a config file whose get_config() returns {form}")
+    source.add_argument("--preset", default=None, metavar="NAME",
+                        help=f"a named preset ({form}): "
+                             f"{', '.join(presets.names(self.preset_task)) or 'none'}"
+                             + (f" (default: {self.default_preset})" if self.default_preset
+                                else ""))
     parser.add_argument("--workdir", default=None,
                         help="the run's directory (local or gs://); rerunning resumes it")
     parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE",
@@ -325,25 +372,51 @@ class TrainCommand(abc.ABC):
     parser.add_argument("--skip-final-eval", action="store_true",
                         help="train only: no final evaluation")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    before = {a.dest for a in parser._actions}
     self.add_arguments(parser)
+    self._flags = tuple(a.dest for a in parser._actions if a.dest not in before)
     add_distributed_args(parser)
     return parser
 
-  def _import_task(self) -> None:
-    """Imports the task module that registers the presets."""
-    importlib.import_module(f"longformer_jax.tasks.{self.preset_task}")
+  def parse(self, parser: Parser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line with the config file's or preset's settings as defaults (step 1 of
+    the module docstring); a bad one exits with status 2."""
+    from longformer_jax.training import TrainConfig, presets
+    args = parser.parse_args(argv)
+    self._base = None
+    origin = f"--config {args.config}" if args.config else f"--preset {args.preset}"
+    try:
+      given = (load_config(args.config) if args.config
+               else presets.get(self.preset_task, args.preset) if args.preset else None)
+      if given is None:
+        pass
+      elif not self.flag_settings:
+        if not isinstance(given, TrainConfig):
+          raise TypeError(f"{origin} gives a {type(given).__name__}; {self.prog} takes a "
+                          f"TrainConfig")
+        self._base = given
+      else:
+        defaults, assignments = flag_defaults(parser, given, origin)
+        parser.set_defaults(**defaults)
+        args = parser.parse_args(argv)
+        args.set = assignments + args.set
+    except USAGE_ERRORS as e:
+      usage_error(parser, e)
+    missing = [f"--{d.replace('_', '-')}" for d in self.required if getattr(args, d) is None]
+    if missing:
+      parser.error(f"{', '.join(missing)} needed (a flag, or a setting of --config/--preset)")
+    self.validate(parser, args)
+    return args
 
   def settings(self, args: argparse.Namespace, workdir) -> tuple[Any, Any]:
     """(TrainConfig, options) of the command line, in the module docstring's order."""
-    from longformer_jax.training import apply_overrides, presets
+    from longformer_jax.training import apply_overrides
     option_sets, config_sets = split_overrides(args.set, self.options_class)
     options = self.base_options(args, workdir)
     if options is not None:
       options = apply_overrides(options, option_sets)
-    if getattr(args, "config", None):
-      cfg = load_config(args.config)
-    elif getattr(args, "preset", None):
-      cfg = presets.get(self.preset_task, args.preset)
+    if self._base is not None:
+      cfg = self._base
     else:
       cfg = self.base_config(args, options, workdir)
     cfg = apply_overrides(self.shorthands(args, cfg), config_sets)
@@ -353,16 +426,14 @@ class TrainCommand(abc.ABC):
     """(args, TrainConfig, options, plan) of a command line; nothing is trained (tests)."""
     from etils import epath
     parser = self.parser()
-    args = parser.parse_args(argv)
-    self.validate(parser, args)
+    args = self.parse(parser, argv)
     workdir = epath.Path(args.workdir or self.default_workdir(args))
     cfg, options = self.settings(args, workdir)
     return args, cfg, options, self.plan(args, cfg, options, workdir)
 
   def main(self, argv: Sequence[str] | None = None) -> int:
     parser = self.parser()
-    args = parser.parse_args(argv)
-    self.validate(parser, args)
+    args = self.parse(parser, argv)
     # A multi-process run (a pod slice) initialises before any device use.
     import jax
     from etils import epath
@@ -375,6 +446,7 @@ class TrainCommand(abc.ABC):
         record = {"workdir": str(workdir), "config": training.config_record(cfg)}
         if options is not None:
           record["options"] = dataclasses.asdict(options)
+        record["flags"] = {name: getattr(args, name) for name in self._flags}
         print_json(record)
         return EXIT_OK
       plan = self.plan(args, cfg, options, workdir)

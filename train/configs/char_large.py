@@ -13,15 +13,12 @@ Expected result: the paper reports 0.99 test BPC on enwik8 for this model size (
 sinusoidal positions; rotary here). Not yet reproduced with this code.
 """
 
-import dataclasses
-
-from longformer_jax.config import CharLMConfig
-from longformer_jax.training import TrainConfig, paper_stages
-from train.configs import char_small
+from longformer_jax.tasks.charlm import char_large
+from longformer_jax.training import TrainConfig
 
 
 def get_config() -> TrainConfig:
-  model = CharLMConfig.large()
-  # paper_stages gives the 30-layer model the paper's large step counts.
-  return dataclasses.replace(char_small.get_config(), model=model, stages=paper_stages(model),
-                             mesh_shape=(-1, 4))
+  # The registered preset (`--preset char_large` is the same run). To change a setting here rather
+  # than with --set, replace it, e.g.:
+  #   return dataclasses.replace(char_large(), eval_every=1000)
+  return char_large()

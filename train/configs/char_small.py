@@ -15,26 +15,12 @@ size (with relative sinusoidal positions; this code uses rotary ones). Not yet r
 this code: the schedule is ~570K steps of 32 x 2K-23K tokens.
 """
 
-from longformer_jax.config import CharLMConfig
-from longformer_jax.training import TrainConfig, paper_stages
+from longformer_jax.tasks.charlm import char_small
+from longformer_jax.training import TrainConfig
 
 
 def get_config() -> TrainConfig:
-  model = CharLMConfig.small()
-  return TrainConfig(
-      model=model,
-      dataset="enwik8",
-      stages=paper_stages(model),
-      weight_decay=0.01,
-      clip_norm=0.25,
-      # Sequences per accumulation step over all devices; the stage batch (32 or 16) must be a
-      # multiple. Lower it if a stage does not fit in memory.
-      microbatch_size=16,
-      mesh_shape=(-1, 1),
-      log_every=50,
-      eval_every=5000,
-      eval_tokens=1_000_000,
-      checkpoint_every=2000,
-      final_eval=dict(split="test", protocol="sliding", context=32256, stride=512,
-                      batch_size=8),
-  )
+  # The registered preset (`--preset char_small` is the same run). To change a setting here rather
+  # than with --set, replace it, e.g.:
+  #   return dataclasses.replace(char_small(), eval_every=1000)
+  return char_small()

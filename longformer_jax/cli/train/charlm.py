@@ -1,11 +1,13 @@
 """Train the character-level Longformer LM, then score the test split.
 
-    python -m train.charlm --config train/configs/char_tiny.py
+    python -m train.charlm --preset char_tiny
     python -m train.charlm --config train/configs/char_small.py --workdir gs://... \\
         --set dataset=text8 --set stages.0.batch_size=64
 
-Settings: a config file (`--config`, `get_config()`) and `--set path=value` overrides (dots walk
-into dataclasses, tuples and dicts; each value is parsed to its field's type, see
+Settings: a preset (`--preset char_tiny|char_small|char_large`, `longformer_jax.tasks.charlm`)
+or a config file (`--config`, whose `get_config()` returns a TrainConfig; train/configs/ holds
+the presets' with their commands), then `--set path=value` overrides (dots walk into
+dataclasses, tuples and dicts; each value is parsed to its field's type, see
 `longformer_jax.training.overrides`); `--print-config` shows the result. Rerunning the same
 command resumes from the newest checkpoint in the workdir that verifies (damaged ones are
 skipped with a warning), and refuses to if the model, the data or the stages already trained
@@ -32,6 +34,7 @@ from longformer_jax.cli.driver import Plan, TrainCommand
 class CharLM(TrainCommand):
   prog = "train.charlm"
   doc = __doc__
+  preset_task = "charlm"
 
   def add_arguments(self, parser):
     parser.add_argument("--data-file", default=None,
@@ -39,12 +42,12 @@ class CharLM(TrainCommand):
                              "instead of the config's dataset")
 
   def default_workdir(self, args):
-    return Path("runs") / Path(args.config or "charlm").stem
+    return Path("runs") / (Path(args.config).stem if args.config else args.preset or "charlm")
 
   def plan(self, args, cfg, options, workdir):
     from longformer_jax.tasks import CharLMTask
     task = CharLMTask() if args.data_file is None else CharLMTask.of_file(args.data_file)
-    return Plan(task, {"config": args.config, "overrides": args.set,
+    return Plan(task, {"config": args.config, "preset": args.preset, "overrides": args.set,
                        "data_file": args.data_file})
 
 

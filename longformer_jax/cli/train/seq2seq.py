@@ -4,6 +4,7 @@
         --train train.jsonl --validation valid.jsonl --test test.jsonl \\
         --max-source-length 4096 --max-target-length 256 --steps 2000 --batch-size 4 \\
         --workdir runs/my_summaries --num-beams 4
+    python -m train.seq2seq --preset seq2seq_tiny --tokenizer tokenizer.json --train train.jsonl
 
 --model: a local HF LED directory, a local HF BART directory (made long by `convert.bart_to_led`:
 --bart-positions, --bart-window), a project checkpoint (`checkpoint.save_model` directory) or
@@ -14,17 +15,19 @@ naming the file, the line and the field. Tokenized with the `tokenizers` library
 tokenizer.json (no hub access).
 
 Training runs the shared loop (`longformer_jax.training`, `Seq2SeqTask`): AdamW, one stage of
---steps at --learning-rate (`--set stages.0.warmup_steps=100 --set stages.0.end_learning_rate=0`
-for warm-up and a cosine decay), dropout from the model's config, global attention on the first
-source token (--global-attention). The flags --steps, --batch-size, --learning-rate, --seed,
---max-source-length (stages.0.seq_len), --num-beams and --max-new-tokens (final_eval) are
-shorthands for settings; any setting can be set with `--set path=value` (e.g. `--set
-eval_every=200`, `--set model.dropout=0.0`, `--set mesh_shape=[1,4]`) and `--print-config` shows
-the result. Rerunning the same command resumes from the newest checkpoint that verifies, and
-refuses to if the model, the data, the tokenizer or the stages already trained differ
-(`--allow-change FIELD` for an optimiser or schedule setting). At the end, outputs are generated
-for --validation and --test (greedy, or beam search with --num-beams, at most --max-new-tokens
-tokens) and scored with ROUGE-1/2/L F-measures (stemmed, `rouge-score`).
+--steps at --learning-rate (`--set stages.0.warmup_steps=100 --set stages.0.end_learning_rate=0` for
+warm-up and a cosine decay), dropout from the model's config, global attention on the first source
+token (--global-attention). The flags --steps, --batch-size, --learning-rate, --seed,
+--max-source-length (stages.0.seq_len), --num-beams and --max-new-tokens (final_eval) are shorthands
+for settings; any setting can be set with `--set path=value` (e.g. `--set eval_every=200`, `--set
+model.dropout=0.0`, `--set mesh_shape=[1,4]`) and `--print-config` shows the result. `--preset NAME`
+or `--config FILE` (whose get_config() returns settings by flag name or --set path, e.g. {"model":
+"tiny", "steps": 300}) gives defaults that the flags override, and `--set` comes last
+(`longformer_jax.cli.driver`). Rerunning the same command resumes from the newest checkpoint that
+verifies, and refuses to if the model, the data, the tokenizer or the stages already trained differ
+(`--allow-change FIELD` for an optimiser or schedule setting). At the end, outputs are generated for
+--validation and --test (greedy, or beam search with --num-beams, at most --max-new-tokens tokens)
+and scored with ROUGE-1/2/L F-measures (stemmed, `rouge-score`).
 
 Writes into --workdir: checkpoints/, run_config.json, metrics.jsonl, curves.png,
 predictions_<split>.jsonl (one {"id", "prediction", "reference"} per pair) and results.json
@@ -45,15 +48,17 @@ from longformer_jax.cli.driver import Plan, TrainCommand, positive_float, positi
 class Seq2Seq(TrainCommand):
   prog = "train.seq2seq"
   doc = __doc__
-  config_files = False
+  preset_task = "seq2seq"
+  flag_settings = True
+  required = ("model", "tokenizer", "train")
 
   def add_arguments(self, parser):
-    parser.add_argument("--model", required=True,
+    parser.add_argument("--model", default=None,
                         help="HF LED or BART directory, project checkpoint or workdir, or a "
                              "preset (tiny, base, large)")
-    parser.add_argument("--tokenizer", required=True,
+    parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer.json (or a directory holding one)")
-    parser.add_argument("--train", required=True, help="training pairs (JSONL)")
+    parser.add_argument("--train", default=None, help="training pairs (JSONL)")
     parser.add_argument("--validation", default=None,
                         help="validation pairs (JSONL): loss during training, ROUGE at the end")
     parser.add_argument("--test", default=None, help="test pairs (JSONL): ROUGE at the end")

@@ -1,0 +1,724 @@
+"""The kinds of fine-tuning task (paper §6) and their metrics: what differs between
+classification, QA, tagging and multiple choice. `longformer_jax.tasks.finetune` trains and
+scores them (and re-exports every name here).
+
+  Kind, KINDS, register  a kind of task (its records, head, logits, loss, predictions, metrics
+                    and label count) and the registry of them by name: Classification
+                    ("classification"), QuestionAnswering ("qa"), Tagging ("token"),
+                    MultipleChoice ("multiple_choice"); MODEL_CLASSES, each name's head
+  best_spans, span_answer   QA decoding: the best span of a row, its answer
+  macro_f1, tagging_scores, squad_scores   the metrics the kinds report
+
+Adding a kind: a `Kind` subclass with its class attributes and methods, decorated `@register`
+(docs/finetune.md). Every metric is a fraction in [0, 1] (the SQuAD script prints 100x). Shape
+letters: the alphabet of `longformer_jax.ops`.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import os
+import re
+import string
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from longformer_jax import modeling
+from longformer_jax.config import LongformerConfig
+from longformer_jax.data import finetune_data as fd
+from longformer_jax.data import text
+from longformer_jax.data.tokenizer import SpecialIds
+from longformer_jax.training.sources import ModelSource
+
+# Logits of positions and candidates that cannot be chosen (float32: exp underflows to 0).
+_NEG = -1e9
+
+# ----------------------------------------------------------------------------------------------
+# Kinds of task
+
+
+class Kind(abc.ABC):
+  """A kind of fine-tuning task: everything that differs between classification, QA, tagging and
+  multiple choice. `register` puts one instance of each subclass in `KINDS`.
+
+  Class attributes:
+    name: the task's name (`--task`, the run's identity, `FinetuneSplit.task`).
+    model_class: its head (`longformer_jax.modeling`).
+    default_global: what global_attention="default" means: "none", "first" or "question".
+    has_question: the records hold a question (global_attention="question" applies).
+    required, documents: the record layout (`fd.RecordLayout`): the fields of every record, and
+      the text field and "input_ids", one of which each record holds.
+    metrics: the names `score` reports, each a fraction in [0, 1].
+    untrained: why no example of a split can be trained on (`trains_on`), a format string of
+      max_length.
+
+  Methods: `featurise`, `split_fields` and `label_names` read records; `batch` and `targets`
+  make arrays; `logits`, `loss` and `outputs` run the model (under jit); `score` gives metrics
+  and prediction records; `num_labels` and `check_labels` size the head.
+  """
+  name: ClassVar[str]
+  model_class: ClassVar[type[nnx.Module]]
+  default_global: ClassVar[str]
+  has_question: ClassVar[bool] = False
+  required: ClassVar[Mapping[str, Any]]
+  documents: ClassVar[Mapping[str, Any]] = {"text": str, "input_ids": list}
+  metrics: ClassVar[tuple[str, ...]]
+  untrained: ClassVar[str] = "no record can be trained on at max_length={max_length}"
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}()"
+
+  # Records.
+
+  @abc.abstractmethod
+  def featurise(self, reader: fd.Reader, record: text.Record, by_text: bool) -> fd.Example:
+    """One record as an `Example` (errors through `reader.error`)."""
+
+  def split_fields(self, records: Sequence[text.Record], examples: Sequence[fd.Example],
+                   label_names: tuple[str, ...] | None) -> dict[str, Any]:
+    """`FinetuneSplit` fields of the whole file beyond the common ones."""
+    del records, examples, label_names
+    return {}
+
+  def label_names(self, paths: Sequence[str | os.PathLike], given: Sequence[str] | None
+                  ) -> tuple[str, ...] | None:
+    """The label names to read the files `paths` with: `given` (kinds without named labels
+    ignore them)."""
+    del paths
+    return None if given is None else tuple(given)
+
+  def resolve_global(self, mode: str) -> str:
+    """`mode` ("default", "none", "first", "question") as the mode this kind uses."""
+    if mode not in fd.GLOBAL_MODES:
+      raise ValueError(f"global_attention must be one of {fd.GLOBAL_MODES}, got {mode!r}")
+    mode = self.default_global if mode == "default" else mode
+    if mode == "question" and not self.has_question:
+      raise ValueError(f"global_attention='question' needs a question: task {self.name!r} has "
+                       f"none (use 'first' or 'none')")
+    return mode
+
+  def trains_on(self, example: fd.Example) -> bool:
+    """Whether the example is trained on (every example can be scored)."""
+    del example
+    return True
+
+  # Arrays.
+
+  def batch(self, split: fd.FinetuneSplit, rows: Sequence[int], *, global_attention: str,
+            specials: SpecialIds) -> dict[str, np.ndarray]:
+    """The padded int32 arrays of `split`'s examples `rows` (N = split.max_length): input_ids,
+    attention_mask, global_attention_mask [B, N], then the kind's `targets`.
+
+    global_attention: "none", "first" or "question" (`resolve_global`).
+    specials: the model's special ids (`SpecialIds.of_config`).
+    """
+    examples = [split.examples[i] for i in rows]
+    arrays = fd.encoder_arrays([e.input_ids for e in examples],
+                               [e.global_lengths(global_attention)[0] for e in examples],
+                               split.max_length, specials.pad)
+    return {**arrays, **self.targets(split, examples)}
+
+  @abc.abstractmethod
+  def targets(self, split: fd.FinetuneSplit, examples: Sequence[fd.Example]
+              ) -> dict[str, np.ndarray]:
+    """The arrays the loss reads besides the inputs (labels, masks of what may be chosen)."""
+
+  # The model.
+
+  def logits(self, model: nnx.Module, batch: Mapping[str, jax.Array], max_global: int
+             ) -> dict[str, jax.Array]:
+    """The head's float32 logits, positions that cannot be chosen pushed to -1e9: here
+    "logits" [B, L] or [B, N, L] as the head gives them.
+
+    max_global: the static bound on global tokens per row (0: the batch's all-zero
+    global_attention_mask switches global attention off, also the heads' own defaults).
+    """
+    return {"logits": _float(_forward(model, batch, max_global).logits)}
+
+  def loss(self, model: nnx.Module, batch: Mapping[str, jax.Array], max_global: int
+           ) -> jax.Array:
+    """The mean cross-entropy (nats) of the batch: here per example."""
+    return jnp.mean(_ce(self.logits(model, batch, max_global)["logits"], batch["labels"]))
+
+  def outputs(self, logits: Mapping[str, jax.Array], max_answer_length: int
+              ) -> dict[str, jax.Array]:
+    """What `predict` keeps of the logits, one row per example: here "logits"."""
+    del max_answer_length
+    return {"logits": logits["logits"]}
+
+  @abc.abstractmethod
+  def score(self, split: fd.FinetuneSplit, examples: Sequence[fd.Example], ids: Sequence[Any],
+            outputs: Mapping[str, np.ndarray]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """(metrics, prediction records) of `predict`'s outputs for `examples` (the first of
+    `split`), named by `ids`; each record a JSON object, "id" first."""
+
+  # The head.
+
+  @abc.abstractmethod
+  def num_labels(self, splits: Sequence[fd.FinetuneSplit], source: ModelSource) -> int:
+    """The size of the head for these splits, starting from `source`."""
+
+  def check_labels(self, split: fd.FinetuneSplit, config: LongformerConfig) -> None:
+    """ValueError (a `text.JsonlError` naming the file and line) when a label of `split` does
+    not fit the model's head."""
+    del split, config
+
+
+KINDS: dict[str, Kind] = {}
+
+
+def register(cls: type[Kind]) -> type[Kind]:
+  """Class decorator: registers an instance of the `Kind` subclass under its name."""
+  if cls.name in KINDS:
+    raise ValueError(f"a kind named {cls.name!r} is registered already: {KINDS[cls.name]!r}")
+  KINDS[cls.name] = cls()
+  return cls
+
+
+def get_kind(task: str) -> Kind:
+  """The registered kind named `task`; ValueError naming the known ones."""
+  if task not in KINDS:
+    raise ValueError(f"task must be one of {tuple(KINDS)}, got {task!r}")
+  return KINDS[task]
+
+
+class _ModelClasses(Mapping):
+  """The head of every registered kind, by name: a view of `KINDS`."""
+
+  def __getitem__(self, name: str) -> type[nnx.Module]:
+    return KINDS[name].model_class
+
+  def __iter__(self):
+    return iter(KINDS)
+
+  def __len__(self) -> int:
+    return len(KINDS)
+
+
+MODEL_CLASSES: Mapping[str, type[nnx.Module]] = _ModelClasses()
+
+
+def _float(x: jax.Array) -> jax.Array:
+  # Softmax and span scores in float32 whatever the compute dtype.
+  return x.astype(jnp.float32)
+
+
+def _forward(model: nnx.Module, batch: Mapping[str, jax.Array], max_global: int):
+  return model(batch["input_ids"], batch["attention_mask"], batch["global_attention_mask"],
+               max_global=max_global)
+
+
+_ce = optax.softmax_cross_entropy_with_integer_labels
+
+
+def _choices(examples: Sequence[fd.Example], ids: Sequence[Any], logits: np.ndarray
+             ) -> tuple[dict[str, float], list[int], list[int], list[dict[str, Any]]]:
+  """({"accuracy"}, predicted, gold, records {"id", "prediction", "label"}) of a choice among
+  logits (classes or candidates)."""
+  predicted = [int(i) for i in np.argmax(logits, axis=-1)]
+  gold = [e.label for e in examples]
+  records = [{"id": i, "prediction": p, "label": g} for i, p, g in zip(ids, predicted, gold)]
+  return {"accuracy": float(np.mean(np.equal(predicted, gold)))}, predicted, gold, records
+
+
+@register
+class Classification(Kind):
+  """classification: {"text": str | "input_ids": [int], "label": int} as `<s> text </s>`;
+  LongformerForSequenceClassification on `<s>` (global by default, the paper's "[CLS] for
+  classification", §3.1). Metrics: accuracy, macro F1 (`macro_f1`). Records {"id",
+  "prediction", "label"}."""
+  name = "classification"
+  model_class = modeling.LongformerForSequenceClassification
+  default_global = "first"
+  required = {"label": int}
+  metrics = ("accuracy", "f1")
+
+  def featurise(self, reader, record, by_text):
+    s = reader.specials
+    ids, _ = reader.content(record, by_text)
+    ids = ids[:reader.max_length - 2]
+    row = np.concatenate([[s.bos], ids, [s.eos]]).astype(np.int32)
+    return fd.Example(record.line, row, label=reader.label(record, "label"))
+
+  def targets(self, split, examples):
+    """labels [B]."""
+    return {"labels": np.asarray([e.label for e in examples], np.int32)}
+
+  def score(self, split, examples, ids, outputs):
+    metrics, predicted, gold, records = _choices(examples, ids, outputs["logits"])
+    return {**metrics, "f1": macro_f1(gold, predicted)}, records
+
+  def num_labels(self, splits, source):
+    """The source's own head size when it is a classifier whose classes cover the labels, else
+    the largest label + 1 (at least 2)."""
+    largest = max(e.label for split in splits for e in split.examples)
+    if source.model_class == self.model_class.__name__ and largest < source.config.num_labels:
+      return source.config.num_labels
+    return max(2, largest + 1)
+
+  def check_labels(self, split, config):
+    for e in split.examples:
+      if e.label >= config.num_labels:
+        raise text.JsonlError(split.path, e.line, "label", f"is {e.label}, but the model has "
+                              f"num_labels={config.num_labels} classes (0..."
+                              f"{config.num_labels - 1})")
+
+
+@register
+class QuestionAnswering(Kind):
+  """qa: {"question": str, "context": str, "answers": [{"text": str, "answer_start": int}]}
+  (character offsets into the context), or {"question": [int], "input_ids": [int], "answers":
+  [{"start": int, "end": int}]} (token offsets into input_ids, end inclusive), as
+  `<s> question </s></s> context </s>`; global attention on `<s>` and the question by default
+  (the paper's "all question tokens for QA", §3.1). LongformerForQuestionAnswering: the best span
+  start <= end < start + max_answer_length over every pair of context positions (`best_spans`).
+  Metrics: exact match and F1 against the best-matching gold answer, after SQuAD's normalisation
+  (`squad_scores`). Records {"id", "prediction", "answers", "start", "end", "score"}: the answer
+  text (id records: its token ids) and its context token offsets (end inclusive).
+
+  A record none of whose answers survives truncation is scored but not trained on.
+  """
+  name = "qa"
+  model_class = modeling.LongformerForQuestionAnswering
+  default_global = "question"
+  has_question = True
+  required = {"question": (str, list), "answers": list}
+  documents = {"context": str, "input_ids": list}
+  metrics = ("exact_match", "f1")
+  untrained = "no answer of any record lies inside max_length={max_length}"
+
+  def featurise(self, reader, record, by_text):
+    s = reader.specials
+    question = reader.question(record, by_text)
+    ids, offsets = reader.content(record, by_text, "context")
+    answers = record.fields["answers"]
+    if not answers:
+      raise reader.error(record, "answers", "is empty (a record needs at least one answer)")
+    spans, gold = [], []
+    for i, answer in enumerate(answers):
+      span, answer_gold = self._answer(reader, record, i, answer, by_text, ids, offsets)
+      spans.append(span)
+      gold.append(answer_gold)
+    head = 1 + len(question) + 2  # <s> question </s></s>
+    keep = min(len(ids), reader.room(record, head + 1, "question"))
+    row = np.concatenate([[s.bos], question, [s.sep, s.sep], ids[:keep], [s.eos]])
+    # The first answer whose tokens all survived truncation is the training target (the paper's
+    # TriviaQA loss sums over every occurrence; one span keeps HF's simpler loss).
+    target = next(((head + a, head + b) for a, b in spans if b < keep), None)
+    return fd.Example(record.line, row.astype(np.int32), question_end=1 + len(question),
+                      gold=tuple(gold), context=(head, head + keep),
+                      offsets=None if offsets is None else offsets[:keep],
+                      context_text=record.fields["context"] if by_text else None,
+                      target=target)
+
+  @staticmethod
+  def _answer(reader, record, i: int, answer, by_text: bool, ids: np.ndarray,
+              offsets: np.ndarray | None) -> tuple[tuple[int, int], Any]:
+    """((first, last) context token of an answer, its gold value)."""
+    keys = ("text", "answer_start") if by_text else ("start", "end")
+    types = (str, int) if by_text else (int, int)
+    if not isinstance(answer, dict) or any(
+        not isinstance(answer.get(k), t) or isinstance(answer.get(k), bool)
+        for k, t in zip(keys, types)):
+      raise reader.error(record, "answers", f"element {i} must be an object with "
+                         f"{' and '.join(repr(k) for k in keys)} "
+                         f"({', '.join(t.__name__ for t in types)}), got {answer!r}"[:300])
+    if not by_text:
+      a, b = answer["start"], answer["end"]
+      if not 0 <= a <= b < len(ids):
+        raise reader.error(record, "answers", f"element {i}: start={a}, end={b} must satisfy "
+                           f"0 <= start <= end < {len(ids)} (token offsets into input_ids, end "
+                           f"inclusive)")
+      return (a, b), tuple(int(x) for x in ids[a:b + 1])
+    context, answer_text, start = record.fields["context"], answer["text"], answer["answer_start"]
+    if not answer_text.strip() or context[start:start + len(answer_text)] != answer_text:
+      raise reader.error(record, "answers", f"element {i}: the context at answer_start={start} "
+                         f"reads {context[start:start + len(answer_text)]!r}, not the answer "
+                         f"{answer_text!r}")
+    end = start + len(answer_text)
+    inside = np.flatnonzero((offsets[:, 0] < end) & (offsets[:, 1] > start))
+    if not len(inside):
+      raise reader.error(record, "answers", f"element {i}: no token of the context covers "
+                         f"characters [{start}, {end})")
+    return (int(inside[0]), int(inside[-1])), answer_text
+
+  def trains_on(self, example):
+    return example.target is not None
+
+  def targets(self, split, examples):
+    """context_mask [B, N] (where an answer may start and end); start_positions,
+    end_positions [B] (-1: no answer survived truncation)."""
+    context_BxN = np.zeros((len(examples), split.max_length), np.int32)
+    for row, e in enumerate(examples):
+      context_BxN[row, e.context[0]:e.context[1]] = 1
+    targets = [e.target or (-1, -1) for e in examples]
+    return {"context_mask": context_BxN,
+            "start_positions": np.asarray([t[0] for t in targets], np.int32),
+            "end_positions": np.asarray([t[1] for t in targets], np.int32)}
+
+  def logits(self, model, batch, max_global):
+    """start_logits, end_logits [B, N] (outside the context: -1e9)."""
+    out = _forward(model, batch, max_global)
+    context_BxN = batch["context_mask"] != 0
+    return {"start_logits": jnp.where(context_BxN, _float(out.start_logits), _NEG),
+            "end_logits": jnp.where(context_BxN, _float(out.end_logits), _NEG)}
+
+  def loss(self, model, batch, max_global):
+    """(start + end) / 2 per example (HF's)."""
+    logits = self.logits(model, batch, max_global)
+    return 0.5 * jnp.mean(_ce(logits["start_logits"], batch["start_positions"])
+                          + _ce(logits["end_logits"], batch["end_positions"]))
+
+  def outputs(self, logits, max_answer_length):
+    """start, end (row positions) and score [B] of the best span."""
+    start_B, end_B, score_B = best_spans(logits["start_logits"], logits["end_logits"],
+                                         max_answer_length)
+    return {"start": start_B, "end": end_B, "score": score_B}
+
+  def score(self, split, examples, ids, outputs):
+    records, answers, golds = [], [], []
+    for i, e, start, end, s in zip(ids, examples, outputs["start"], outputs["end"],
+                                   outputs["score"]):
+      answer = span_answer(e, int(start), int(end))
+      answers.append(answer)
+      golds.append(e.gold)
+      first = e.context[0]
+      records.append({"id": i, "prediction": answer, "answers": list(e.gold),
+                      "start": int(start) - first, "end": int(end) - first, "score": float(s)})
+    return squad_scores(answers, golds, normalize=split.by_text), records
+
+  def num_labels(self, splits, source):
+    """2: start and end."""
+    return 2
+
+  def check_labels(self, split, config):
+    if config.num_labels != 2:
+      raise ValueError(f"question answering predicts start and end: model.num_labels must be "
+                       f"2, got {config.num_labels}")
+
+
+@register
+class Tagging(Kind):
+  """token: {"text": str | "input_ids": [int], "labels": [str] or [int]}: one label per
+  whitespace-separated word of "text", or per id of "input_ids", as `<s> text </s>`; no global
+  attention by default (HF's LongformerForTokenClassification sets none).
+  LongformerForTokenClassification on each word's first token (the other tokens are not
+  scored). Metrics: accuracy over words; with an "O" tag, also micro precision/recall/F1 over
+  the words whose gold or predicted tag is not "O" (`tagging_scores`). Records {"id",
+  "prediction", "labels"}: a tag per word (or id), as the file spells tags; null for words cut
+  off by max_length (scored as wrong).
+  """
+  name = "token"
+  model_class = modeling.LongformerForTokenClassification
+  default_global = "none"
+  required = {"labels": list}
+  metrics = ("accuracy", "precision", "recall", "f1")  # the last three with an "O" tag
+
+  def featurise(self, reader, record, by_text):
+    s, names = reader.specials, reader.label_names
+    if names is None:
+      raise ValueError("the token task needs label_names (Tagging.label_names of the files)")
+    labels = record.fields["labels"]
+    if by_text:
+      content = record.fields["text"]
+      # Words are the whitespace-separated pieces; each one's first token carries its label.
+      spans = [m.span() for m in re.finditer(r"\S+", content)]
+      ids, offsets = reader.encode(record, "text", content)
+      first = fd.first_tokens(spans, offsets)
+      unit = "words (the text split on whitespace)"
+    else:
+      ids = reader.ids(record, "input_ids", record.fields["input_ids"])
+      first = np.arange(len(ids))
+      unit = "input_ids"
+    if len(labels) != len(first):
+      raise reader.error(record, "labels", f"has {len(labels)} labels for {len(first)} {unit}")
+    label_ids = []
+    for i, label in enumerate(labels):
+      index = names.index(label) if isinstance(label, str) and label in names else (
+          label if isinstance(label, int) and not isinstance(label, bool)
+          and 0 <= label < len(names) else None)
+      if index is None:
+        raise reader.error(record, "labels", f"element {i} is {label!r}, not one of the "
+                           f"{len(names)} labels {list(names)[:20]}")
+      label_ids.append(index)
+    keep = reader.max_length - 2
+    row = np.concatenate([[s.bos], ids[:keep], [s.eos]]).astype(np.int32)
+    # Positions in the row: +1 for <s>; words whose first token was cut away are -1.
+    words = np.where((first >= 0) & (first < keep), first + 1, -1).astype(np.int32)
+    token_labels = np.full(len(row), fd.IGNORE_INDEX, np.int32)
+    token_labels[words[words >= 0]] = np.asarray(label_ids, np.int32)[words >= 0]
+    return fd.Example(record.line, row, token_labels=token_labels, words=words,
+                      gold=tuple(names[i] for i in label_ids))
+
+  def split_fields(self, records, examples, label_names):
+    return {"label_names": label_names,
+            "int_labels": any(isinstance(t, int) for r in records for t in r.fields["labels"])}
+
+  def label_names(self, paths, given):
+    """`given`, else the tags of the files (`tag_names`)."""
+    return tuple(given) if given is not None else self.tag_names(paths)[0]
+
+  @staticmethod
+  def tag_names(paths: Sequence[str | os.PathLike]) -> tuple[tuple[str, ...], bool]:
+    """(names, from_ints): the tags of the files, in id order: their string labels sorted (with
+    "O" first when present), or "0".."K" for integer labels (then from_ints)."""
+    strings, largest = set(), -1
+    for path in paths:
+      for record in text.read_jsonl(path, {"labels": list}):
+        for i, label in enumerate(record.fields["labels"]):
+          if isinstance(label, str) and label.strip():
+            strings.add(label)
+          elif isinstance(label, int) and not isinstance(label, bool) and label >= 0:
+            largest = max(largest, label)
+          else:
+            raise text.JsonlError(os.fspath(path), record.line, "labels",
+                                  f"element {i} must be a non-empty string or an integer >= 0, "
+                                  f"got {label!r}")
+        if strings and largest >= 0:
+          raise text.JsonlError(os.fspath(path), record.line, "labels",
+                                "mixes string and integer labels (the files must use one kind)")
+    if strings:
+      return tuple(sorted(strings, key=lambda s: (s != "O", s))), False
+    return tuple(str(i) for i in range(largest + 1)), True
+
+  def targets(self, split, examples):
+    """labels [B, N] (IGNORE_INDEX where not scored)."""
+    return {"labels": text.pad([e.token_labels for e in examples], length=split.max_length,
+                               pad_id=fd.IGNORE_INDEX)[0]}
+
+  def loss(self, model, batch, max_global):
+    """Per scored token."""
+    labels = batch["labels"]
+    real_BxN = labels != fd.IGNORE_INDEX
+    nll_BxN = _ce(self.logits(model, batch, max_global)["logits"],
+                  jnp.where(real_BxN, labels, 0))
+    return jnp.sum(jnp.where(real_BxN, nll_BxN, 0.0)) / jnp.maximum(jnp.sum(real_BxN), 1)
+
+  def outputs(self, logits, max_answer_length):
+    """tags [B, N]: the best label of every position."""
+    del max_answer_length
+    return {"tags": jnp.argmax(logits["logits"], axis=-1).astype(jnp.int32)}
+
+  def score(self, split, examples, ids, outputs):
+    names = split.label_names
+    predicted = [[int(tags[w]) if w >= 0 else None for w in e.words]
+                 for e, tags in zip(examples, outputs["tags"])]
+    gold = [[names.index(g) for g in e.gold] for e in examples]
+    metrics = tagging_scores(gold, predicted, names.index("O") if "O" in names else None)
+    spell = (lambda t: t) if split.int_labels else (lambda t: None if t is None else names[t])
+    records = [{"id": i, "prediction": [spell(t) for t in p], "labels": [spell(t) for t in g]}
+               for i, p, g in zip(ids, predicted, gold)]
+    return metrics, records
+
+  def num_labels(self, splits, source):
+    """The tag count."""
+    return len(splits[0].label_names)
+
+  def check_labels(self, split, config):
+    if len(split.label_names) != config.num_labels:
+      raise ValueError(f"{split.path}: {len(split.label_names)} tags {list(split.label_names)} "
+                       f"but the model has num_labels={config.num_labels}")
+
+
+@register
+class MultipleChoice(Kind):
+  """multiple_choice: {"question": str, "candidates": [str], "text": str, "label": int}, or
+  {"question": [int], "candidates": [[int]], "input_ids": [int], "label": int} (the label is the
+  index of the right candidate), one row per candidate:
+  `<s> question </s></s> candidate </s></s> document </s>`; global attention on `<s>`, the
+  question and the candidate by default (the paper's WikiHop choice, §6).
+  LongformerForMultipleChoice (each row's `<s>` pooled and scored). Metric: accuracy. Records
+  {"id", "prediction", "label", "scores"} (one score per candidate).
+  """
+  name = "multiple_choice"
+  model_class = modeling.LongformerForMultipleChoice
+  default_global = "question"
+  has_question = True
+  required = {"question": (str, list), "candidates": list, "label": int}
+  metrics = ("accuracy",)
+
+  def featurise(self, reader, record, by_text):
+    s = reader.specials
+    question = reader.question(record, by_text)
+    document, _ = reader.content(record, by_text)
+    candidates = record.fields["candidates"]
+    if len(candidates) < 2:
+      raise reader.error(record, "candidates", f"needs at least 2 candidates, got "
+                         f"{len(candidates)}")
+    rows, ends = [], []
+    for i, candidate in enumerate(candidates):
+      if by_text:
+        if not isinstance(candidate, str) or not candidate.strip():
+          raise reader.error(record, "candidates", f"element {i} must be a non-empty string, "
+                             f"got {candidate!r}")
+        cand = reader.encode(record, "candidates", candidate)[0]
+      else:
+        cand = reader.ids(record, "candidates", candidate, what=f"element {i}")
+      # <s> question </s></s> candidate </s></s> document </s>
+      head = np.concatenate([[s.bos], question, [s.sep, s.sep], cand]).astype(np.int32)
+      keep = reader.room(record, len(head) + 3, "candidates")
+      rows.append(np.concatenate([head, [s.sep, s.sep], document[:keep], [s.eos]])
+                  .astype(np.int32))
+      ends.append(len(head))
+    return fd.Example(record.line, tuple(rows), question_end=1 + len(question),
+                      label=reader.label(record, "label", below=len(candidates)),
+                      candidate_ends=tuple(ends))
+
+  def split_fields(self, records, examples, label_names):
+    return {"num_choices": max(len(e.input_ids) for e in examples)}
+
+  def batch(self, split, rows, *, global_attention, specials):
+    """input_ids, attention_mask, global_attention_mask [B, C, N] (C = split.num_choices), then
+    `targets`. Missing candidates are `<s></s>` rows, masked out by choice_mask."""
+    examples = [split.examples[i] for i in rows]
+    c, n = split.num_choices, split.max_length
+    filler = np.asarray([specials.bos, specials.eos], np.int32)
+    seqs = [list(e.input_ids) + [filler] * (c - len(e.input_ids)) for e in examples]
+    globals_BC = [g for e in examples for g in e.global_lengths(global_attention)
+                  + (0,) * (c - len(e.input_ids))]
+    arrays = fd.encoder_arrays([s for row in seqs for s in row], globals_BC, n, specials.pad)
+    shape = (len(examples), c, n)
+    return {**{name: x_BCxN.reshape(shape) for name, x_BCxN in arrays.items()},
+            **self.targets(split, examples)}
+
+  def targets(self, split, examples):
+    """choice_mask [B, C] (1 for real candidates), labels [B]."""
+    c = split.num_choices
+    choice_BxC = np.asarray([[1] * len(e.input_ids) + [0] * (c - len(e.input_ids))
+                             for e in examples], np.int32)
+    return {"choice_mask": choice_BxC,
+            "labels": np.asarray([e.label for e in examples], np.int32)}
+
+  def logits(self, model, batch, max_global):
+    """logits [B, C] (filler candidates: -1e9)."""
+    out = _forward(model, batch, max_global)
+    return {"logits": jnp.where(batch["choice_mask"] != 0, _float(out.logits), _NEG)}
+
+  def score(self, split, examples, ids, outputs):
+    logits = outputs["logits"]
+    metrics, _, _, records = _choices(examples, ids, logits)
+    for record, e, row in zip(records, examples, logits):
+      record["scores"] = [float(x) for x in row[:len(e.input_ids)]]
+    return metrics, records
+
+  def num_labels(self, splits, source):
+    """One logit per candidate: the config's value is kept (unused)."""
+    return source.config.num_labels
+
+
+def best_spans(start_BxN: jax.Array, end_BxN: jax.Array, max_answer_length: int
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(start [B], end [B], score [B]): the span start <= end < start + max_answer_length with the
+  highest start_logit[start] + end_logit[end], over every pair of positions of the row.
+
+  The sum is the log of the span's probability under independent start and end softmaxes, up to
+  the row's two normalisers, which do not change the argmax. Every pair is scored (not the top-k
+  starts and ends of HF's post-processing), so the answer is exact over the whole document;
+  positions that cannot be chosen must hold -1e9 (`Kind.logits`). Cost B x N x A scores.
+  """
+  b, n = start_BxN.shape
+  span = min(max_answer_length, n)
+  # end_BxNxA[b, i, l] = end_logit[b, i + l] (-1e9 past the row's end): every span from i.
+  end_padded = jnp.pad(end_BxN, ((0, 0), (0, span - 1)), constant_values=_NEG)
+  index_NxA = jnp.arange(n)[:, None] + jnp.arange(span)[None, :]
+  score_BxNxA = start_BxN[:, :, None] + end_padded[:, index_NxA]
+  flat_BxNA = score_BxNxA.reshape(b, n * span)
+  best_B = jnp.argmax(flat_BxNA, axis=-1)
+  start_B, length_B = best_B // span, best_B % span
+  return start_B, start_B + length_B, jnp.take_along_axis(flat_BxNA, best_B[:, None], 1)[:, 0]
+
+
+def span_answer(example: fd.Example, start: int, end: int) -> str | tuple[int, ...]:
+  """The answer of row positions start..end (inclusive): the context text they cover (text
+  records, by the tokenizer's character offsets) or their token ids."""
+  if example.offsets is None:
+    return tuple(int(x) for x in example.input_ids[start:end + 1])
+  first = example.context[0]
+  chars = example.offsets[start - first:end - first + 1]
+  return example.context_text[int(chars[0, 0]):int(chars[-1, 1])].strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# Metrics
+
+
+def macro_f1(gold: Sequence[int], predicted: Sequence[int]) -> float:
+  """The mean over classes of 2 TP / (2 TP + FP + FN), over the classes that occur in the gold
+  labels or the predictions (scikit-learn's average="macro")."""
+  gold, predicted = np.asarray(gold), np.asarray(predicted)
+  scores = []
+  for c in np.union1d(gold, predicted):
+    tp = np.sum((gold == c) & (predicted == c))
+    wrong = np.sum((gold == c) != (predicted == c))  # FP + FN
+    scores.append(2 * tp / (2 * tp + wrong))
+  return float(np.mean(scores))
+
+
+def tagging_scores(gold: Sequence[Sequence[int]], predicted: Sequence[Sequence[int | None]],
+                   outside: int | None) -> dict[str, float]:
+  """Tag accuracy over all words (a None prediction, a word cut off, counts as wrong); with an
+  outside tag (`outside`, "O"), also entity-free micro precision, recall and F1 over words:
+  a word's prediction is a positive when it is not O, a gold positive when its tag is not O,
+  and a true positive when it is both and equals the gold tag (no spans are assembled, so a
+  B-/I- scheme is scored per word, not per entity as seqeval does)."""
+  g = np.asarray([t for row in gold for t in row], np.int64)
+  p = np.asarray([-1 if t is None else t for row in predicted for t in row], np.int64)
+  metrics = {"accuracy": float(np.mean(g == p)) if len(g) else 0.0}
+  if outside is not None:
+    predicted_pos = (p != outside) & (p >= 0)
+    gold_pos = g != outside
+    tp = int(np.sum(predicted_pos & gold_pos & (p == g)))
+    precision = tp / max(int(np.sum(predicted_pos)), 1)
+    recall = tp / max(int(np.sum(gold_pos)), 1)
+    f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
+    metrics.update(precision=precision, recall=recall, f1=f1)
+  return metrics
+
+
+def normalize_answer(s: str) -> str:
+  """SQuAD v1.1's answer normalisation (its official evaluate script): lower case, punctuation
+  removed, the articles a/an/the removed, whitespace collapsed."""
+  s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+  s = re.sub(r"\b(a|an|the)\b", " ", s)
+  return " ".join(s.split())
+
+
+def _f1(predicted: Sequence, gold: Sequence) -> float:
+  common = collections.Counter(predicted) & collections.Counter(gold)
+  same = sum(common.values())
+  if same == 0:
+    return 0.0
+  precision, recall = same / len(predicted), same / len(gold)
+  return 2 * precision * recall / (precision + recall)
+
+
+def squad_scores(predictions: Sequence, golds: Sequence[Sequence], *, normalize: bool = True
+                 ) -> dict[str, float]:
+  """SQuAD's exact match and F1 (as TriviaQA's evaluation also takes them): per question, the
+  best over its gold answers of EM (normalised strings equal) and of F1 (over the normalised
+  strings' word multisets); then the mean over questions. normalize=False compares token-id
+  tuples as they are (id records)."""
+  if len(predictions) != len(golds) or not predictions:
+    raise ValueError(f"need as many predictions as gold answer lists, at least one: got "
+                     f"{len(predictions)} and {len(golds)}")
+  tokens = (lambda a: normalize_answer(a).split()) if normalize else tuple
+  em = f1 = 0.0
+  for prediction, gold in zip(predictions, golds):
+    em += max(float(tokens(prediction) == tokens(g)) for g in gold)
+    f1 += max(_f1(tokens(prediction), tokens(g)) for g in gold)
+  return {"exact_match": em / len(predictions), "f1": f1 / len(predictions)}
+
+
+
+__all__ = [
+    "Classification", "KINDS", "Kind", "MODEL_CLASSES", "MultipleChoice", "QuestionAnswering",
+    "Tagging", "best_spans", "get_kind", "macro_f1", "normalize_answer", "register",
+    "span_answer", "squad_scores", "tagging_scores",
+]
