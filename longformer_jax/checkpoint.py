@@ -347,8 +347,10 @@ def _after_failure(error: BaseException) -> None:
   """
   traceback.clear_frames(error.__traceback__)
   with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", message=r"coroutine .* was never awaited",
-                            category=RuntimeWarning)
+    # Closing unstarted coroutines warns "never awaited", and merely touching every object in
+    # the process can warn too (e.g. torch's deprecated module attributes): none of it is news
+    # for the caller.
+    warnings.simplefilter("ignore")
     gc.collect()
     objects = gc.get_objects()
     # Orbax runs its own event loop: a loop that runs an Orbax coroutine is Orbax's, and so are

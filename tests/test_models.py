@@ -91,17 +91,20 @@ def test_lm_head_at_the_masked_positions_equals_the_full_logits():
                                axis=-1)[..., 0]
     return jnp.sum(nll * weights) / jnp.sum(weights)
 
-  full_fn = lambda m: loss(m(**inputs).logits, jnp.asarray(labels))
-  sparse_fn = lambda m: loss(m(**inputs, prediction_positions=positions).logits,
+  # One compiled program per call (eagerly every primitive compiles on its own); max_global=3:
+  # the inputs' rows hold at most 3 global tokens.
+  full_fn = lambda m: loss(m(**inputs, max_global=3).logits, jnp.asarray(labels))
+  sparse_fn = lambda m: loss(m(**inputs, max_global=3, prediction_positions=positions).logits,
                              picked)
-  full = model(**inputs).logits
-  sparse = model(**inputs, prediction_positions=positions).logits
+  full = nnx.jit(lambda m: m(**inputs, max_global=3).logits)(model)
+  sparse = nnx.jit(lambda m: m(**inputs, max_global=3, prediction_positions=positions).logits
+                   )(model)
   assert sparse.shape == (BATCH, SEQ, VOCAB)
   np.testing.assert_allclose(sparse, np.take_along_axis(np.asarray(full),
                                                         np.asarray(positions)[..., None], 1),
                              rtol=1e-5, atol=1e-5)
   (full_loss, full_grads), (sparse_loss, sparse_grads) = (
-      nnx.value_and_grad(fn)(model) for fn in (full_fn, sparse_fn))
+      nnx.jit(nnx.value_and_grad(fn))(model) for fn in (full_fn, sparse_fn))
   np.testing.assert_allclose(sparse_loss, full_loss, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(full_grads)),
                   jax.tree.leaves(nnx.to_pure_dict(sparse_grads))):

@@ -171,7 +171,7 @@ _MULTI_DEVICE = textwrap.dedent("""
     import jax, numpy as np
     from longformer_jax import checkpoint
     from longformer_jax.config import CharLMConfig
-    from longformer_jax.tasks.charlm import evaluate_bpc
+    from longformer_jax.tasks.charlm import CharLMTask, evaluate_bpc
     from longformer_jax.training import Stage, TrainConfig, Trainer, make_mesh
     assert jax.device_count() == 4, jax.devices()
     cfg = TrainConfig(model=CharLMConfig(num_hidden_layers=2, hidden_size=32,
