@@ -162,8 +162,11 @@ print("ok")
 
 def test_on_four_devices():
   root = Path(__file__).parents[1]
+  # XLA's cheaper optimisation level (the `quick_compilation` fixture's, for a subprocess): every
+  # model compiles sharded and unsharded, and both are compared under the same setting.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}:{root / 'tests'}")
+             JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}:{root / 'tests'}",
+             JAX_DISABLE_MOST_OPTIMIZATIONS="1")
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                         text=True, timeout=900)
   print(proc.stdout)
