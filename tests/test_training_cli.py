@@ -98,7 +98,8 @@ def test_print_config_prints_the_settings_and_writes_nothing(command, capsys, tm
     assert printed["workdir"] == str(tmp_path / "run")
 
 
-def test_seq2seq_print_config(capsys, tmp_path):
+def _toy_pairs(tmp_path: Path) -> Path:
+  """A word-level tokenizer.json of six tokens and one (source, target) pair, in tmp_path."""
   tokenizers = pytest.importorskip("tokenizers")
   from tokenizers import models
   vocab = {t: i for i, t in enumerate(("<s>", "<pad>", "</s>", "<unk>", "a", "b"))}
@@ -106,6 +107,11 @@ def test_seq2seq_print_config(capsys, tmp_path):
       str(tmp_path / "tokenizer.json"))
   pairs = tmp_path / "pairs.jsonl"
   pairs.write_text(json.dumps({"source": "a b", "target": "b"}) + "\n")
+  return pairs
+
+
+def test_seq2seq_print_config(capsys, tmp_path):
+  pairs = _toy_pairs(tmp_path)
   _, main = _entry_point(_scripts()["longformer-train-seq2seq"])
   assert main(["--model", "tiny", "--tokenizer", str(tmp_path / "tokenizer.json"), "--train",
                str(pairs), "--max-source-length", "16", "--max-target-length", "8",
@@ -283,13 +289,7 @@ def test_a_bad_setting_of_a_config_is_one_line_and_status_2(setting, message, ca
 
 
 def test_seq2seq_settings_resolve_preset_then_flags_then_set(capsys, tmp_path):
-  tokenizers = pytest.importorskip("tokenizers")
-  from tokenizers import models
-  vocab = {t: i for i, t in enumerate(("<s>", "<pad>", "</s>", "<unk>", "a", "b"))}
-  tokenizers.Tokenizer(models.WordLevel(vocab, unk_token="<unk>")).save(
-      str(tmp_path / "tokenizer.json"))
-  pairs = tmp_path / "pairs.jsonl"
-  pairs.write_text(json.dumps({"source": "a b", "target": "b"}) + "\n")
+  pairs = _toy_pairs(tmp_path)
   base = ["--preset", "seq2seq_tiny", "--tokenizer", str(tmp_path / "tokenizer.json"),
           "--train", str(pairs), "--workdir", str(tmp_path / "run")]
   printed = _printed("longformer-train-seq2seq", base, capsys)
