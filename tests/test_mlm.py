@@ -21,8 +21,8 @@ import pytest
 from flax import nnx
 
 from longformer_jax import LongformerConfig, LongformerForMaskedLM
-from longformer_jax.data import text, tokenized
-from longformer_jax.data.tokenizer import special_ids
+from longformer_jax.data import tokenized
+from longformer_jax.data.tokenizer import load_tokenizer, special_ids
 from longformer_jax.training import Stage, TrainConfig, Trainer, learning_rate_schedule
 from longformer_jax.tasks import mlm
 from longformer_jax.training import sources
@@ -129,7 +129,7 @@ def test_roberta_vocab_and_merges_load_as_the_same_tokenizer(tokenizer, tmp_path
   (tmp_path / "merges.txt").write_text(
       "#version: 0.2\n" + "".join(f"{' '.join(m) if isinstance(m, list) else m}\n"
                                   for m in model["merges"]))
-  loaded = text.load_tokenizer(tmp_path)
+  loaded = load_tokenizer(tmp_path)
   assert loaded.encode(TEXT).ids == tokenizer.encode(TEXT).ids
   assert loaded.decode(loaded.encode(TEXT).ids) == TEXT
   assert special_ids(loaded) == special_ids(tokenizer)
@@ -346,4 +346,4 @@ def test_task_checks_name_the_bad_value(tokenizer):
                        nnx.Param)
     mlm.check_params_fit(cfg.model.replace(hidden_size=64, intermediate_size=64), params)
   with pytest.raises(FileNotFoundError, match="no such tokenizer file"):
-    text.load_tokenizer(ROOT / "docs")
+    load_tokenizer(ROOT / "docs")

@@ -27,6 +27,7 @@ from flax import nnx
 from longformer_jax import checkpoint, led
 from longformer_jax.config import LEDConfig
 from longformer_jax.data import text
+from longformer_jax.data.tokenizer import load_tokenizer
 from longformer_jax.tasks import seq2seq
 from testing import seed_of
 from longformer_jax.cli.train import seq2seq as cli
@@ -191,7 +192,7 @@ def test_jsonl_rules(tmp_path, content, line, field, problem):
 
 
 def test_pairs_labels_and_global_tokens(files):
-  tokenizer = text.load_tokenizer(files)  # the directory holding tokenizer.json
+  tokenizer = load_tokenizer(files)  # the directory holding tokenizer.json
   split = seq2seq.read_pairs(files / "train.jsonl", tokenizer, max_source_length=6,
                              max_target_length=4, eos_token_id=2)
   first = json.loads((files / "train.jsonl").read_text().splitlines()[0])

@@ -5,9 +5,10 @@ tokenized and JSONL data of the other tasks.
   corpora        where the corpora's bytes come from and their checks; the split boundaries
   wikifil        Mahoney's wikifil (enwik8 XML -> text8 characters)
   sampler        BatchSampler: resumable (inputs, targets) batches of a token stream
-  text           JSONL records, HF tokenizers, padded id batches, a resumable example order
+  text           JSONL records, encoding with a tokenizer, padded id batches, a resumable order
+  tokenizer      loading and checking HF tokenizers; the special tokens and their ids
   tokenized      token caches and packed rows of tokenized documents (masked LM)
-  finetune_data  the JSONL record layouts of the fine-tuning kinds, and their batches
+  finetune_data  what the fine-tuning kinds' records share (the kinds: tasks.finetune_kinds)
 
 The byte corpora, as arrays and batches:
 

@@ -2,8 +2,9 @@
 and a resumable example order.
 
     >>> from longformer_jax.data import text
+    >>> from longformer_jax.data.tokenizer import load_tokenizer
     >>> records = text.read_jsonl("train.jsonl", {"source": str, "target": str})
-    >>> tokenizer = text.load_tokenizer("led-base-16384/tokenizer.json")    # no hub access
+    >>> tokenizer = load_tokenizer("led-base-16384/tokenizer.json")         # no hub access
     >>> ids = text.encode(tokenizer, [r.fields["source"] for r in records], max_length=4096)
     >>> input_ids, mask = text.pad(ids[:8], length=4096, pad_id=1)           # int32 [8, 4096]
     >>> order = text.ExampleSampler(len(records), global_batch_size=8, seed=0)
@@ -31,19 +32,14 @@ from typing import Any
 
 import numpy as np
 
-# The entry points read tokenizers through this module; the helpers live in `data.tokenizer`.
-from longformer_jax.data.tokenizer import load_tokenizer, tokenizer_file
-
 __all__ = [
     "ExampleSampler",
     "JsonlError",
     "Record",
     "encode",
     "file_sha256",
-    "load_tokenizer",
     "pad",
     "read_jsonl",
-    "tokenizer_file",
 ]
 
 

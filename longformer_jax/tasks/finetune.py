@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
-from longformer_jax.data.tokenizer import SpecialIds
+from longformer_jax.data.tokenizer import SpecialIds, tokenizer_file
 from longformer_jax.tasks.finetune_kinds import (
     KINDS, MODEL_CLASSES, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging,
     best_spans, get_kind, macro_f1, normalize_answer, register, span_answer, squad_scores,
@@ -351,7 +351,7 @@ def training_task(task: str, splits: Mapping[str, fd.FinetuneSplit], cfg: TrainC
   from longformer_jax.data import text
   identity = {"init": source.identity}
   if tokenizer is not None:
-    identity["tokenizer_sha256"] = text.file_sha256(text.tokenizer_file(tokenizer))
+    identity["tokenizer_sha256"] = text.file_sha256(tokenizer_file(tokenizer))
   result = FinetuneTask(task, splits["train"], splits.get("validation"),
                         global_attention=global_attention, options=options, identity=identity,
                         test=splits.get("test"))

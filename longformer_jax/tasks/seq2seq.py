@@ -39,8 +39,6 @@ from longformer_jax import led
 from longformer_jax.config import LEDConfig
 from longformer_jax.data import text
 from longformer_jax.data.tokenizer import token_id
-# `train.seq2seq` checks its tokenizer as `seq2seq.check_tokenizer`.
-from longformer_jax.data.tokenizer import check_tokenizer as check_tokenizer
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training import examples
 from longformer_jax.training import presets

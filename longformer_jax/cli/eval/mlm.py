@@ -95,9 +95,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _evaluate_init(args: argparse.Namespace, mlm) -> dict:
   """evaluate_mlm of a model as loaded from --init."""
-  from longformer_jax.data import text, tokenized
+  from longformer_jax.data import tokenized
+  from longformer_jax.data.tokenizer import load_tokenizer
   model, kind = mlm.load_pretrained(args.init, max_positions=args.seq_len, window=args.window)
-  tokenizer = text.load_tokenizer(args.tokenizer or args.init)
+  tokenizer = load_tokenizer(args.tokenizer or args.init)
   result = mlm.MLMTask(tokenizer).score(
       model, tokenized.token_ids(args.data, args.split, tokenizer), seq_len=args.seq_len,
       seed=args.seed, max_tokens=args.max_tokens, batch_size=args.batch_size,

@@ -80,9 +80,9 @@ class Finetune(TrainCommand):
 
   def base_options(self, args, workdir):
     from longformer_jax import checkpoint
-    from longformer_jax.data import text
+    from longformer_jax.data.tokenizer import load_tokenizer
     from longformer_jax.tasks import finetune
-    self.tokenizer = None if args.tokenizer is None else text.load_tokenizer(args.tokenizer)
+    self.tokenizer = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
     self.source = self.run = None
     if args.eval_only and checkpoint.checkpoint_steps(workdir / checkpoint.CHECKPOINTS):
       # The run's own settings; --set may still change the evaluation's (e.g. global_attention).

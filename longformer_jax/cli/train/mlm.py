@@ -107,17 +107,18 @@ class MLM(TrainCommand):
 
 def _tokenizer(args, cfg, workdir):
   """--tokenizer, else the workdir's, else --init's directory's, else a BPE trained here."""
-  from longformer_jax.data import text, tokenized
+  from longformer_jax.data import tokenized
+  from longformer_jax.data.tokenizer import load_tokenizer
   from longformer_jax.tasks import mlm
   if args.tokenizer is not None:
-    return text.load_tokenizer(args.tokenizer)
+    return load_tokenizer(args.tokenizer)
   saved = workdir / mlm.TOKENIZER_FILE
   if saved.exists():
-    return text.load_tokenizer(saved)
+    return load_tokenizer(saved)
   if args.init is not None:
     init = Path(args.init)
     if (init / "tokenizer.json").is_file() or (init / "vocab.json").is_file():
-      return text.load_tokenizer(init)
+      return load_tokenizer(init)
     raise FileNotFoundError(f"--init {args.init} holds no tokenizer (tokenizer.json or "
                             f"vocab.json + merges.txt): give --tokenizer")
   print(f"training a byte-level BPE tokenizer ({cfg.model.vocab_size} ids) on the train split "

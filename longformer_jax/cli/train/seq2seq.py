@@ -88,10 +88,10 @@ class Seq2Seq(TrainCommand):
     return Path("runs") / f"seq2seq_{Path(args.train).stem}"
 
   def base_config(self, args, options, workdir):
-    from longformer_jax.data import text
+    from longformer_jax.data.tokenizer import load_tokenizer
     from longformer_jax.tasks import seq2seq
     from longformer_jax.training import Stage, TrainConfig
-    self.tokenizer = text.load_tokenizer(args.tokenizer)
+    self.tokenizer = load_tokenizer(args.tokenizer)
     self.source = seq2seq.load_source(args.model, self.tokenizer,
                                       bart_positions=args.bart_positions,
                                       bart_window=args.bart_window)
@@ -103,20 +103,22 @@ class Seq2Seq(TrainCommand):
                         max_new_tokens=args.max_new_tokens or args.max_target_length))
 
   def finish_config(self, args, cfg, options, workdir):
+    from longformer_jax.data.tokenizer import check_tokenizer
     from longformer_jax.tasks import seq2seq
     seq2seq.check_generation(cfg)
-    seq2seq.check_tokenizer(self.tokenizer, cfg.model)
+    check_tokenizer(self.tokenizer, cfg.model)
     return cfg
 
   def plan(self, args, cfg, options, workdir):
     from longformer_jax.data import text
+    from longformer_jax.data.tokenizer import tokenizer_file
     from longformer_jax.tasks import seq2seq
     lengths = dict(max_source_length=args.max_source_length,
                    max_target_length=args.max_target_length, eos_token_id=cfg.model.eos_token_id)
     splits = {name: seq2seq.read_pairs(path, self.tokenizer, **lengths)
               for name, path in (("train", args.train), ("validation", args.validation),
                                  ("test", args.test)) if path is not None}
-    identity = {"tokenizer_sha256": text.file_sha256(text.tokenizer_file(args.tokenizer)),
+    identity = {"tokenizer_sha256": text.file_sha256(tokenizer_file(args.tokenizer)),
                 "init": self.source.identity}
     task = seq2seq.Seq2SeqTask(
         splits["train"], splits.get("validation"),
