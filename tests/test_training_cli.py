@@ -53,6 +53,8 @@ def test_help_lists_the_settings(command, capsys):
   assert exit_info.value.code == 0
   out = capsys.readouterr().out
   assert "--print-config" in out
+  if command == "longformer-eval-bpc":  # the presets, with their settings
+    assert "paper: protocol=sliding, context=32256, stride=512" in " ".join(out.split())
   if "-train-" in command:  # the settings, with their types and defaults
     assert "settings (--set PATH=VALUE" in out and "  stages.N.learning_rate: float" in out
     assert "  eval_every: int = 500" in out and "--distributed" in out
@@ -313,3 +315,94 @@ def test_seq2seq_settings_resolve_preset_then_flags_then_set(capsys, tmp_path):
   assert printed["config"]["final_eval"]["num_beams"] == 3
   assert printed["config"]["eval_every"] == 7
   assert not (tmp_path / "run").exists()
+
+
+def _eval_settings(command: str, tmp_path: Path) -> tuple[dict, list[str], dict]:
+  """(a config of `command`, flags then --set over it, the settings they resolve to): each
+  step overrides one setting of the step before."""
+  run, out = str(tmp_path / "run"), str(tmp_path / "x.zip")
+  return {
+      "longformer-eval-bpc": (
+          {"workdir": run, "context": 1024, "stride": 256, "batch_size": 2},
+          ["--stride", "128", "--batch-size", "3", "--set", "batch_size=4"],
+          {"workdir": run, "context": 1024, "stride": 128, "batch_size": 4}),
+      "longformer-eval-mlm": (
+          {"workdir": run, "split": "validation", "batch_size": 2, "max_tokens": 100},
+          ["--batch-size", "3", "--max-tokens", "200", "--set", "max_tokens=300"],
+          {"workdir": run, "split": "validation", "batch_size": 3, "max_tokens": 300}),
+      "longformer-eval-sample": (
+          {"workdir": run, "prompt": "a", "temperature": 0.5, "top_k": 4},
+          ["--temperature", "0.7", "--top-k", "5", "--set", "top_k=6"],
+          {"workdir": run, "prompt": "a", "temperature": 0.7, "top_k": 6}),
+      "longformer-eval-export": (
+          {"workdir": run, "out": out, "seq_len": [8, 16], "batch_size": 2, "num_beams": 2},
+          ["--batch-size", "3", "--num-beams", "3", "--set", "num_beams=4"],
+          {"workdir": run, "out": out, "seq_len": [8, 16], "batch_size": 3, "num_beams": 4}),
+  }[command]
+
+
+def _config_file(tmp_path: Path, settings: dict) -> str:
+  path = tmp_path / "eval_config.py"
+  path.write_text(f"def get_config():\n  return {settings!r}\n")
+  return str(path)
+
+
+EVAL_COMMANDS = sorted(c for c in _scripts() if "-eval-" in c)
+
+
+@pytest.mark.parametrize("command", EVAL_COMMANDS)
+def test_eval_settings_resolve_config_then_flags_then_set(command, capsys, tmp_path):
+  config, argv, expected = _eval_settings(command, tmp_path)
+  printed = _printed(command, ["--config", _config_file(tmp_path, config)] + argv, capsys)
+  assert {k: printed[k] for k in expected} == expected
+  assert not {"config", "preset", "set", "print_config"} & set(printed)
+  assert not (tmp_path / "run").exists() and not (tmp_path / "x.zip").exists()
+
+
+def _usage_error(command: str, argv: list[str], capsys) -> str:
+  """The one line `command` writes for `argv --print-config`, exiting with status 2."""
+  _, main = _entry_point(_scripts()[command])
+  with pytest.raises(SystemExit) as exit_info:
+    main(argv + ["--print-config"])
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.count("\n") == 1 and err.startswith(f"{command.removeprefix('longformer-')}"
+                                                 .replace("-", ".") + ": error: ")
+  return err
+
+
+@pytest.mark.parametrize("command, bad, message", [
+    ("longformer-eval-bpc", "context=abc", "--set context=abc: context: expected int"),
+    ("longformer-eval-mlm", "split=dev", "split must be one of ('train', 'validation', 'test')"),
+    ("longformer-eval-sample", "top_k=x", "--set top_k=x: top_k: invalid literal"),
+    ("longformer-eval-export", "seq_len=8,0", "--set seq_len=8,0: seq_len: must be >= 1, got 0"),
+])
+def test_eval_set_of_an_unknown_name_or_a_bad_value_is_one_line_and_status_2(
+    command, bad, message, capsys, tmp_path):
+  config, _, _ = _eval_settings(command, tmp_path)
+  base = ["--config", _config_file(tmp_path, config)]
+  err = _usage_error(command, base + ["--set", "contxt=1"], capsys)
+  assert "--set contxt=1: 'contxt' is not a setting" in err and "; settings: workdir, " in err
+  assert message in _usage_error(command, base + ["--set", bad], capsys)
+
+
+@pytest.mark.parametrize("command", EVAL_COMMANDS)
+def test_eval_config_key_that_is_no_setting_is_one_line_and_status_2(command, capsys, tmp_path):
+  config, _, _ = _eval_settings(command, tmp_path)
+  path = _config_file(tmp_path, {**config, "stages.0.steps": 3})
+  assert f"--config {path}: 'stages.0.steps' is not a setting" in _usage_error(
+      command, ["--config", path], capsys)
+
+
+def test_eval_bpc_presets(capsys, tmp_path):
+  workdir = ["--workdir", str(tmp_path / "run")]
+  defaults = _printed("longformer-eval-bpc", workdir, capsys)
+  assert _printed("longformer-eval-bpc", workdir + ["--preset", "paper"], capsys) == defaults
+  quick = _printed("longformer-eval-bpc", workdir + ["--preset", "quick", "--stride", "64"],
+                   capsys)
+  assert quick == {**defaults, "context": 1024, "stride": 64}
+  # A flag of a mutually exclusive pair replaces the config's other one.
+  config = _config_file(tmp_path, {"workdir": str(tmp_path / "run"), "dataset": "enwik8"})
+  printed = _printed("longformer-eval-bpc", ["--config", config, "--file", "a.txt"], capsys)
+  assert (printed["dataset"], printed["file"]) == (None, "a.txt")
+  assert "needed" in _usage_error("longformer-eval-bpc", ["--preset", "quick"], capsys)

@@ -27,6 +27,13 @@ and default. Then the run: the mesh, `training.train` with the task, the task's 
 evaluation (`Task.final_evaluation`) and results.json, each file written whole or not at all by
 process 0.
 
+The eval commands (`parse_settings`) take theirs in the same order. Their settings are their
+flags, so a config file or preset (`--preset` where the command has presets: eval.bpc's "paper"
+and "quick") is a mapping by flag name whose every key is a flag, e.g. {"context": 1024,
+"stride": 256}; `--set NAME=VALUE` sets a flag by that name, VALUE parsed and checked as the
+flag parses it. `--print-config` prints the resolved flags and exits 0, writing nothing;
+`--help` lists the flags and the presets.
+
 Exit status, the same for every command (eval commands too):
 
   0   done
@@ -181,31 +188,61 @@ def split_overrides(assignments: Sequence[str], options_class: type | None
 _NOT_SETTINGS = ("help", "config", "preset", "set", "print_config")
 
 
-def flag_defaults(parser: argparse.ArgumentParser, settings: Any, origin: str
-                  ) -> tuple[dict[str, Any], list[str]]:
+def _flag_value(action: argparse.Action, value: Any, origin: str) -> Any:
+  """`value` as the flag of `action` stores it: parsed by its type (each item of a list flag,
+  given as a list or as one string split at commas and spaces) and checked against its choices;
+  a switch (store_true) takes true or false."""
+  if value is None:
+    return None
+  if action.nargs == 0:
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+      value = value.lower() == "true"
+    if not isinstance(value, bool):
+      raise ValueError(f"{origin}: {action.dest} takes true or false, got {value!r}")
+    return value
+  if action.nargs in ("+", "*"):
+    items = (value.replace(",", " ").split() if isinstance(value, str)
+             else list(value) if isinstance(value, (list, tuple)) else [value])
+    if not items and action.nargs == "+":
+      raise ValueError(f"{origin}: {action.dest} needs at least one value")
+    return [_typed(action, v, origin) for v in items]
+  return _typed(action, value, origin)
+
+
+def _typed(action: argparse.Action, value: Any, origin: str) -> Any:
+  """One value of a flag: parsed by its type, checked against its choices."""
+  if action.type is not None:
+    try:
+      value = action.type(value if isinstance(value, str) else str(value))
+    except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
+      raise ValueError(f"{origin}: {action.dest}: {e}") from None
+  if action.choices is not None and value not in action.choices:
+    raise ValueError(f"{origin}: {action.dest} must be one of {tuple(action.choices)}, "
+                     f"got {value!r}")
+  return value
+
+
+def flag_defaults(parser: argparse.ArgumentParser, settings: Any, origin: str,
+                  set_paths: bool = True) -> tuple[dict[str, Any], list[str]]:
   """({flag dest: default}, `--set` assignments) of a mapping of settings (module docstring):
   a key naming a flag of `parser` is its default, parsed and checked as the flag is (its type,
-  its choices); any other key is a --set path, its value written as --set takes it."""
+  its choices); any other key is a --set path, its value written as --set takes it, or, without
+  `set_paths` (a command whose settings are its flags), a ValueError naming the known ones."""
   if not isinstance(settings, Mapping):
     raise TypeError(f"{origin} gives a {type(settings).__name__}; expected a mapping of "
-                    f"settings by flag name or --set path")
+                    f"settings by flag name" + (" or --set path" if set_paths else ""))
   flags = {a.dest: a for a in parser._actions
            if a.option_strings and a.dest not in _NOT_SETTINGS}
   defaults, assignments = {}, []
   for key, value in settings.items():
     action = flags.get(key)
-    if action is None:
-      text = value if isinstance(value, str) else repr(value)
-      assignments.append(f"{key}={text}")
-      continue
-    if action.type is not None and value is not None:
-      try:
-        value = action.type(value if isinstance(value, str) else str(value))
-      except (argparse.ArgumentTypeError, ValueError, TypeError) as e:
-        raise ValueError(f"{origin}: {key}: {e}") from None
-    if action.choices is not None and value is not None and value not in action.choices:
-      raise ValueError(f"{origin}: {key} must be one of {tuple(action.choices)}, got {value!r}")
-    defaults[key] = value
+    if action is not None:
+      defaults[key] = _flag_value(action, value, origin)
+    elif set_paths:
+      assignments.append(f"{key}={value if isinstance(value, str) else repr(value)}")
+    else:
+      raise ValueError(f"{origin}: {key!r} is not a setting of {parser.prog}; settings: "
+                       f"{', '.join(flags)}")
   return defaults, assignments
 
 
@@ -246,19 +283,80 @@ def print_json(value: Any) -> None:
   print(json.dumps(value, indent=2, default=str))
 
 
-def add_print_config(parser: argparse.ArgumentParser) -> None:
-  """--print-config for a command whose settings are its flags (the eval commands)."""
-  parser.add_argument("--print-config", action="store_true",
-                      help="print the resolved settings as JSON and exit; reads and writes "
-                           "nothing")
-
-
 def printed_config(args: argparse.Namespace) -> bool:
-  """With --print-config: prints the flags' values as JSON and returns True."""
+  """With --print-config: prints the resolved settings (`parse_settings`) as JSON and returns
+  True."""
   if not args.print_config:
     return False
-  print_json({k: v for k, v in vars(args).items() if k != "print_config"})
+  print_json({k: v for k, v in vars(args).items() if k not in _NOT_SETTINGS})
   return True
+
+
+def parse_settings(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
+                   preset_task: str | None = None) -> argparse.Namespace:
+  """The settings of a command whose settings are its flags (the eval commands), in the module
+  docstring's order: `--config FILE` or `--preset NAME` (of `preset_task`'s presets, when it has
+  any), a mapping by flag dest; then the flags; then `--set NAME=VALUE` (NAME a flag's dest,
+  VALUE parsed as the flag parses it; `None` where the flag's default is None). A flag of a
+  mutually exclusive group given by a later step replaces the group's value of an earlier one.
+  Adds those flags and --print-config to `parser`; a bad setting exits with status 2."""
+  from longformer_jax.training import presets
+  source = parser.add_mutually_exclusive_group()
+  source.add_argument("--config", default=None, metavar="FILE",
+                      help="a config file whose get_config() returns a mapping of settings by "
+                           "flag name (as --set takes them)")
+  names = presets.names(preset_task) if preset_task else ()
+  if names:
+    listed = "; ".join(name + ": " + ", ".join(
+        f"{k}={v}" for k, v in presets.get(preset_task, name).items()) for name in names)
+    source.add_argument("--preset", default=None, metavar="NAME",
+                        help=f"a named preset (settings by flag name): {listed}")
+  parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                      help="set a setting, last; NAME is a flag without its -- and with _ for "
+                           "- (--data-dir: data_dir)")
+  parser.add_argument("--print-config", action="store_true",
+                      help="print the resolved settings as JSON and exit; writes nothing")
+  flags = {a.dest: a for a in parser._actions
+           if a.option_strings and a.dest not in _NOT_SETTINGS}
+  groups = [g for g in parser._mutually_exclusive_groups if g is not source]
+  # Required flags may come from any step, so they are checked once all three have applied.
+  required = [a for a in flags.values() if a.required] + [g for g in groups if g.required]
+  for item in required:
+    item.required = False
+  unset = object()  # what the flags not on the command line keep, to tell them apart
+  args = parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(flags, unset)))
+  steps = [{d: v for d, v in vars(args).items() if d in flags and v is not unset}]
+  try:
+    if args.config or getattr(args, "preset", None):
+      given = (load_config(args.config) if args.config
+               else presets.get(preset_task, args.preset))
+      origin = f"--config {args.config}" if args.config else f"--preset {args.preset}"
+      steps.insert(0, flag_defaults(parser, given, origin, set_paths=False)[0])
+    for assignment in args.set:
+      name, equals, text = (part.strip() for part in assignment.partition("="))
+      if not equals:
+        raise ValueError(f"--set {assignment}: expected NAME=VALUE")
+      default = getattr(flags.get(name), "default", unset)
+      steps.append(flag_defaults(parser, {name: None if text == "None" and default is None
+                                          else text}, f"--set {assignment}", set_paths=False)[0])
+  except USAGE_ERRORS as e:
+    usage_error(parser, e)
+  values = {d: a.default for d, a in flags.items()}
+  for step in steps:
+    for group in groups:
+      if any(step.get(a.dest, a.default) != a.default for a in group._group_actions):
+        values.update({a.dest: a.default for a in group._group_actions})
+    values.update(step)
+  for item in required:
+    members = getattr(item, "_group_actions", [item])  # a flag, or a group: one of its flags
+    if all(values[a.dest] == a.default for a in members):
+      parser.error(f"{' or '.join(a.option_strings[0] for a in members)} needed (the flag, or "
+                   f"a setting of --config{', --preset' if names else ''} or --set)")
+  for group in groups:
+    chosen = [a.option_strings[0] for a in group._group_actions if values[a.dest] != a.default]
+    if len(chosen) > 1:
+      parser.error(f"{' and '.join(chosen)} do not go together")
+  return argparse.Namespace(**{**vars(args), **values})
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,9 +5,10 @@
 
 A preset has the form of the command's settings (`longformer_jax.cli.driver`): a `TrainConfig`
 (char LM, MLM), or a mapping of settings by flag name or `--set` path (fine-tuning, seq2seq,
-whose TrainConfig is built from the model and the data). A task module registers its presets
-when it is imported (`longformer_jax.tasks.<task>`); a preset is a function that returns a fresh
-value, so that a registry entry is never shared state.
+whose TrainConfig is built from the model and the data), or by flag name alone (an eval command,
+under its own name: "eval.bpc"). A task module registers its presets when it is imported
+(`longformer_jax.tasks.<task>`), an eval command's in its own module; a preset is a function
+that returns a fresh value, so that a registry entry is never shared state.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Bits per character of a trained char-LM checkpoint, every character scored once.
 
-    python -m eval.bpc --workdir runs/char_tiny --context 1024 --stride 256
+    python -m eval.bpc --workdir runs/char_tiny --preset quick       # --context 1024 --stride 256
     python -m eval.bpc --workdir gs://bucket/char_small --dataset enwik8 --split test  # paper
     python -m eval.bpc --workdir runs/char_tiny --file README.md --context 512 --stride 256
 
@@ -25,8 +25,24 @@ import math
 import sys
 
 from longformer_jax.cli.driver import (
-    EXIT_FAILED, EXIT_OK, Parser, add_distributed_args, add_print_config, fail,
-    initialize_distributed, nonnegative_int, positive_int, printed_config)
+    EXIT_FAILED, EXIT_OK, Parser, add_distributed_args, fail, initialize_distributed,
+    nonnegative_int, parse_settings, positive_int, printed_config)
+from longformer_jax.training import presets
+
+
+def paper() -> dict:
+  """The paper's evaluation (Longformer §4.2): 32,256-byte windows, each scoring its last 512
+  (the flags' defaults)."""
+  return {"protocol": "sliding", "context": 32256, "stride": 512}
+
+
+def quick() -> dict:
+  """A quick look at a small run: 1,024-byte windows, each scoring its last 256."""
+  return {"context": 1024, "stride": 256}
+
+
+presets.register("eval.bpc", "paper", paper)
+presets.register("eval.bpc", "quick", quick)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,9 +64,8 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--max-bytes", type=positive_int, default=None, help="score only a prefix")
   parser.add_argument("--output", default=None, help="JSON path")
   parser.add_argument("--no-progress", action="store_true")
-  add_print_config(parser)
   add_distributed_args(parser)
-  args = parser.parse_args(argv)
+  args = parse_settings(parser, argv, preset_task="eval.bpc")
   if args.file is not None and args.split is not None:
     parser.error("--split selects a split of --dataset; it does not go with --file")
   if printed_config(args):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import sys
 
 from longformer_jax.cli.driver import (
-    EXIT_OK, Parser, add_print_config, fail, nonnegative_int, positive_int, printed_config)
+    EXIT_OK, Parser, fail, nonnegative_int, positive_int, parse_settings, printed_config)
 from longformer_jax.tasks.runs import load_model
 
 
@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="LED: decoder positions of the cache (default: its position table)")
   parser.add_argument("--num-beams", type=positive_int, default=1,
                       help="LED: decoding rows per example (beam search)")
-  add_print_config(parser)
-  args = parser.parse_args(argv)
+  args = parse_settings(parser, argv)
   if printed_config(args):
     return EXIT_OK
 

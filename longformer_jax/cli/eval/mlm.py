@@ -28,7 +28,7 @@ import math
 import sys
 
 from longformer_jax.cli.driver import (
-    EXIT_OK, Parser, add_print_config, fail, nonnegative_int, positive_int, printed_config,
+    EXIT_OK, Parser, fail, nonnegative_int, positive_int, parse_settings, printed_config,
     usage_error)
 
 
@@ -54,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="with --init: the masks' seed")
   parser.add_argument("--output", default=None, help="JSON path")
   parser.add_argument("--no-progress", action="store_true")
-  add_print_config(parser)
-  args = parser.parse_args(argv)
+  args = parse_settings(parser, argv)
   if args.init is not None and (args.data is None or args.seq_len is None
                                 or args.output is None):
     parser.error("--init needs --data, --seq-len and --output (no workdir to write to)")

@@ -24,7 +24,7 @@ import time
 
 
 from longformer_jax.cli.driver import (
-    EXIT_OK, Parser, add_print_config, fail, nonnegative_int, printed_config)
+    EXIT_OK, Parser, fail, nonnegative_int, parse_settings, printed_config)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--step", type=nonnegative_int, default=None,
                       help="checkpoint step (default: latest)")
-  add_print_config(parser)
-  args = parser.parse_args(argv)
+  args = parse_settings(parser, argv)
   if printed_config(args):
     return EXIT_OK
 
