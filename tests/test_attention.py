@@ -19,9 +19,8 @@ from testing import TOLERANCE_VS_FLOAT32, expected_keys, seed_of, tolerance
 from testing import AttentionCase as Case
 from testing import make_attention_inputs as make_inputs
 
-# Compile time dominates these tiny shapes: XLA's cheaper optimisation level (conftest.py).
 # `TestPallas` adds the kernels and slow marks: it interprets the Pallas kernel on a CPU.
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("quick_compilation")]
+pytestmark = pytest.mark.unit
 
 
 def _grid():

@@ -40,7 +40,7 @@ from longformer_jax.ops.band_reference import (EMPTY_LSE, band_attention_referen
 from testing import assert_close, make_band_inputs, tolerance
 
 # Interpret-mode kernels at tiny shapes: compile time dominates (conftest.py).
-pytestmark = [pytest.mark.kernels, pytest.mark.slow, pytest.mark.usefixtures("quick_compilation")]
+pytestmark = [pytest.mark.kernels, pytest.mark.slow]
 
 
 def assert_lse_close(actual, expected, tol):

@@ -41,6 +41,7 @@ GOLDEN_LOSSES = {
 }
 
 
+@pytest.mark.golden
 @pytest.mark.parametrize("name", sorted(GOLDEN_LOSSES))
 def test_golden_losses(name):
   changes, call, expected = GOLDEN_LOSSES[name]

@@ -37,7 +37,7 @@ from testing import (BATCH, SEQ, assert_close, make_model_inputs, seed_of,
                      tiny_encoder_config)
 
 # slow: in-process, but most of the cost is training runs, command lines and subprocesses.
-pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.usefixtures("quick_compilation")]
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 TOL = 1e-5
 
@@ -186,8 +186,7 @@ def served(tmp_path_factory):
   export.write_archive(folder / "programs.zip", programs, names, {"test": True})
   np.savez(folder / "inputs.npz", **arrays)
   (folder / "calls.json").write_text(json.dumps(calls))
-  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1",
-             PYTHONPATH="")
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH="")
   proc = subprocess.Popen([sys.executable, "-c", _SERVE, str(folder)], env=env, cwd=folder,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:

@@ -22,7 +22,7 @@ from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer
 from longformer_jax.tasks import finetune as ft
 from longformer_jax.cli.train import finetune as cli
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("quick_compilation")]  # conftest.py
+pytestmark = pytest.mark.integration
 
 
 # ----------------------------------------------------------------------------------------------

@@ -221,9 +221,6 @@ class BlockTorch(importlib.abc.MetaPathFinder):
       raise ImportError(f"{name} is blocked: this run checks that torch is not needed")
 
 sys.meta_path.insert(0, BlockTorch())
-import jax
-# XLA's cheaper optimisation level: the eager forwards compile a few hundred small programs.
-jax.config.update("jax_disable_most_optimizations", True)
 import test_hf_format
 test_hf_format.run_torch_free(Path(sys.argv[1]))
 print("ok")

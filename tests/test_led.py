@@ -26,7 +26,7 @@ from longformer_jax import LEDConfig, convert, led
 from longformer_jax.layers import LOGICAL_AXES
 
 # Tiny models: compile time dominates (conftest.py).
-pytestmark = [pytest.mark.unit, pytest.mark.usefixtures("quick_compilation")]
+pytestmark = pytest.mark.unit
 
 ATOL = 1e-5
 VOCAB, BATCH, ENC_LEN, DEC_LEN = 48, 3, 21, 7

@@ -32,7 +32,6 @@ from longformer_jax import (
     LongformerForTokenClassification, LongformerModel)
 from testing import assert_close
 
-jax.config.update("jax_disable_most_optimizations", True)  # compile time: tiny models
 
 config = LongformerConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           intermediate_size=64, max_position_embeddings=40, attention_window=(2, 3),
@@ -162,11 +161,8 @@ print("ok")
 
 def test_on_four_devices():
   root = Path(__file__).parents[1]
-  # XLA's cheaper optimisation level (the `quick_compilation` fixture's, for a subprocess): every
-  # model compiles sharded and unsharded, and both are compared under the same setting.
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}:{root / 'tests'}",
-             JAX_DISABLE_MOST_OPTIMIZATIONS="1")
+             JAX_PLATFORMS="cpu", PYTHONPATH=f"{root}:{root / 'tests'}")
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True,
                         text=True, timeout=900)
   print(proc.stdout)

@@ -42,6 +42,7 @@ def eval_model(cls=modeling.LongformerModel, seed: int = 0, **changes):
 # Config.
 
 
+@pytest.mark.golden
 def test_golden_masked_lm_logits():
   """Recorded with the code before the encoder and the char LM shared one attention module
   (commit 113f37c): initialisation and computation unchanged (bit for bit on CPU)."""

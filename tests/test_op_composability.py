@@ -37,7 +37,7 @@ if jax.device_count() < DEVICES:
 
 else:
 
-  pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("quick_compilation")]
+  pytestmark = pytest.mark.integration
 
   # Batch over 'data', heads over 'model'; rows after the first are padded. CAUSAL has one
   # dilation per head (each head shard holds (2, 1)); the Pallas cases keep one dilation for

@@ -8,7 +8,7 @@ a run started from an LED directory saved by transformers, or from a BART made l
 The two CLI runs (the `tiny` preset cut to one layer each side) build the same programs, so the
 second one takes the first one's compilations from a persistent compilation cache kept for this
 module (XLA takes tens of seconds on a CPU for the train step and for the health check of the
-saves), which also compiles at XLA's cheaper optimisation level (`quick_compilation`).
+saves).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from longformer_jax.cli.train import seq2seq as cli
 tokenizers = pytest.importorskip("tokenizers", reason="pip install -e '.[torch]'")
 pytest.importorskip("rouge_score", reason="pip install -e '.[torch]'")
 # slow: in-process, but most of the cost is training runs, command lines and subprocesses.
-pytestmark = [pytest.mark.unit, pytest.mark.slow, pytest.mark.usefixtures("quick_compilation")]
+pytestmark = [pytest.mark.unit, pytest.mark.slow]
 
 WORDS = "abcdefgh"
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0, 1, 2, 3: BART's order

@@ -25,7 +25,7 @@ from testing import expected_keys, rerun_on_devices, seed_of
 
 # A subprocess on 8 simulated devices. Compile time dominates (conftest.py); the 8-device rerun
 # of this module uses it too.
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("quick_compilation")]
+pytestmark = pytest.mark.integration
 
 DEVICES = 8
 
