@@ -49,6 +49,16 @@ def pytest_collection_modifyitems(config, items):
                             f"tests/conftest.py): {', '.join(untiered)}")
 
 
+@pytest.fixture(scope="session")
+def charlm_run(tmp_path_factory) -> testing.CharLMRun:
+  """The tiny char-LM run the session shares (`testing.CharLMRun`; read only: copy to change)."""
+  directory = testing.shared_run(tmp_path_factory, "charlm_run", testing.make_charlm_run)
+  run = testing.charlm_run_files(directory)
+  from longformer_jax import checkpoint
+  assert tuple(checkpoint.checkpoint_steps(run.workdir)) == run.checkpoints
+  return run
+
+
 def pytest_generate_tests(metafunc):
   """A test class's `GRID` attribute parametrizes its `grid_case` argument (testing.py)."""
   testing.parametrize_grid(metafunc)

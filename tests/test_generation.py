@@ -25,10 +25,7 @@ from longformer_jax import checkpoint, generation
 from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig
 from longformer_jax.generation import SamplingConfig
-from longformer_jax.tasks import CharLMTask
-from longformer_jax.training import Stage, TrainConfig, train
-from testing import CHARLM_RUN_MODEL as RUN_MODEL
-from testing import CHARLM_RUN_WINDOWS as RUN_WINDOWS
+from longformer_jax.training import read_run_config
 from testing import assert_close, seed_of, tolerance
 
 # slow: in-process, but most of the cost is training runs, command lines and subprocesses.
@@ -229,22 +226,18 @@ def test_bad_arguments_are_named(call, match):
 # python -m eval.sample on a run trained here.
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("sample") / "run"
-  cfg = TrainConfig(model=RUN_MODEL, stages=(Stage(seq_len=16, batch_size=4, steps=2,
-                                                   learning_rate=3e-3, windows=RUN_WINDOWS),),
-                    eval_every=10_000, checkpoint_every=1, async_checkpoints=False)
-  text = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 100, np.uint8)
-  train(cfg, workdir, CharLMTask(text), progress=False)
-  assert checkpoint.checkpoint_steps(workdir) == [1, 2]
-  return workdir
+def run_dir(charlm_run):
+  """The session's tiny char-LM run (tests/conftest.py): checkpoints 2 to 8, its stage's
+  windows differ from the model config's (the CLI must use the stage's)."""
+  return charlm_run.workdir
 
 
 def _expected_text(workdir, step, prompt: bytes, max_new, **sampling) -> str:
-  model = checkpoint.restore_model(lambda: LongformerForCausalLM(RUN_MODEL, rngs=nnx.Rngs(0)),
+  cfg = read_run_config(workdir)
+  model = checkpoint.restore_model(lambda: LongformerForCausalLM(cfg.model, rngs=nnx.Rngs(0)),
                                    workdir, step=step)
-  tokens = model.generate(np.frombuffer(prompt, np.uint8), max_new, windows=RUN_WINDOWS,
-                          **sampling)
+  tokens = model.generate(np.frombuffer(prompt, np.uint8), max_new,
+                          windows=cfg.stages[-1].windows, **sampling)
   return (prompt + bytes(np.asarray(tokens, np.uint8))).decode("utf-8", errors="replace")
 
 
@@ -257,19 +250,19 @@ def test_cli_samples_a_trained_run(run_dir):
       cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
       timeout=300, check=False)
   assert proc.returncode == 0, proc.stderr
-  assert proc.stdout == _expected_text(run_dir, 2, prompt.encode(), 40, temperature=0.0) + "\n"
-  assert "step 2: 40 bytes in" in proc.stderr and "bytes/s" in proc.stderr
+  assert proc.stdout == _expected_text(run_dir, 8, prompt.encode(), 40, temperature=0.0) + "\n"
+  assert "step 8: 40 bytes in" in proc.stderr and "bytes/s" in proc.stderr
 
 
 def test_cli_step_seed_and_filters(run_dir, capsys):
   from eval import sample
-  args = ["--workdir", str(run_dir), "--prompt", "the", "--max-new-tokens", "30", "--step", "1",
+  args = ["--workdir", str(run_dir), "--prompt", "the", "--max-new-tokens", "30", "--step", "6",
           "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "7"]
   assert sample.main(args) == 0
   out = capsys.readouterr()
-  assert out.out == _expected_text(run_dir, 1, b"the", 30, temperature=0.8, top_k=20,
+  assert out.out == _expected_text(run_dir, 6, b"the", 30, temperature=0.8, top_k=20,
                                    top_p=0.9, seed=7) + "\n"
-  assert out.err.startswith("step 1: 30 bytes in")
+  assert out.err.startswith("step 6: 30 bytes in")
 
 
 @pytest.mark.parametrize("args, message", [

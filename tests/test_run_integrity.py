@@ -6,13 +6,13 @@ error from RLIMIT_FSIZE, as a full disk gives ENOSPC), and resumes whose setting
 Plus the pieces underneath: checksums, the resume rules of `training.identity`.
 
 Every run here trains the same tiny model on the same random bytes, so the uninterrupted run
-(`reference`, made once) is what every interrupted or damaged run must reproduce bit for bit.
+(`reference`: the session's shared `charlm_run`, tests/conftest.py) is what every interrupted or
+damaged run must reproduce bit for bit.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -32,56 +32,49 @@ from longformer_jax import checkpoint
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_run
 from longformer_jax.training import (RunMismatchError, Trainer, check_resume, config_record,
                                      read_run_config)
-from testing import seed_of
+from testing import charlm_command, seed_of, subprocess_env
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 8
 
-CONFIG = """
+# Three sane steps, then a learning rate that blows the parameters up (with a checkpoint every
+# step), on the shared run's model.
+DIVERGING = '''
 from longformer_jax.config import CharLMConfig
 from longformer_jax.training import Stage, TrainConfig
 
 def get_config():
   model = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                        intermediate_size=64, attention_window=(4, 8))
-  return TrainConfig(model=model, dataset="enwik8_sample", stages=STAGES, eval_every=4,
-                     eval_tokens=256, eval_batch_size=4, checkpoint_every=EVERY,
-                     keep_checkpoints=4, clip_norm=CLIP)
-"""
-SANE = f"(Stage(seq_len=16, batch_size=4, steps={STEPS}, learning_rate=3e-3, warmup_steps=1),)"
-# Three sane steps, then a learning rate that blows the parameters up.
-DIVERGING = ("(Stage(seq_len=16, batch_size=4, steps=3, learning_rate=3e-3),"
-             " Stage(seq_len=16, batch_size=4, steps=3, learning_rate=1e30))")
+  stages = (Stage(seq_len=16, batch_size=4, steps=3, learning_rate=3e-3),
+            Stage(seq_len=16, batch_size=4, steps=3, learning_rate=1e30))
+  return TrainConfig(model=model, dataset="enwik8_sample", stages=stages, eval_every=4,
+                     eval_tokens=256, eval_batch_size=4, checkpoint_every=1,
+                     keep_checkpoints=4, clip_norm=1e30)
+'''
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(tmp_path_factory, charlm_run):
+  """This module's directory: the shared run's inputs (sane.py is its config, data.bin and
+  eval.bin its bytes), other bytes, and the diverging config."""
   base = tmp_path_factory.mktemp("integrity")
+  shutil.copyfile(charlm_run.data, base / "data.bin")
+  shutil.copyfile(charlm_run.eval_data, base / "eval.bin")
+  shutil.copyfile(charlm_run.config, base / "sane.py")
   rng = random.Random(seed_of("integrity data"))
-  (base / "data.bin").write_bytes(bytes(rng.randrange(256) for _ in range(20_000)))
   (base / "other.bin").write_bytes(bytes(rng.randrange(256) for _ in range(20_000)))
-  (base / "eval.bin").write_bytes((base / "data.bin").read_bytes()[-400:])
-  for name, stages, every, clip in [("sane", SANE, 2, 1.0), ("diverging", DIVERGING, 1, 1e30)]:
-    text = CONFIG.replace("STAGES", stages).replace("EVERY", str(every))
-    (base / f"{name}.py").write_text(text.replace("CLIP", str(clip)))
+  (base / "diverging.py").write_text(DIVERGING)
   return base
 
 
-def _env():
-  # No libtpu start-up lines on stderr, no .pyc files (RLIMIT_FSIZE must hit the checkpoint).
-  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONDONTWRITEBYTECODE="1")
-
-
 def _train_command(files, workdir, *args, config="sane"):
-  return [sys.executable, "-m", "train.charlm", "--config", str(files / f"{config}.py"),
-          "--workdir", str(workdir), "--data-file", str(files / "data.bin"), "--no-progress",
-          "--skip-final-eval", *args]
+  return charlm_command(files / f"{config}.py", files / "data.bin", workdir, *args)
 
 
 def _run(command, **kw) -> subprocess.CompletedProcess:
-  return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True,
+  return subprocess.run(command, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
                         timeout=600, **kw)
 
 
@@ -116,12 +109,10 @@ def _snapshot(path) -> dict[str, tuple[int, int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(files):
-  """The uninterrupted run: checkpoints 2, 4, 6, 8."""
+def reference(files, charlm_run):
+  """The uninterrupted run (the session's `charlm_run`, copied here): checkpoints 2, 4, 6, 8."""
   workdir = files / "reference"
-  proc = _train(files, workdir)
-  assert proc.returncode == 0, proc.stderr
-  assert _stderr_lines(proc) == []
+  shutil.copytree(charlm_run.workdir, workdir)
   assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8]
   return workdir
 
@@ -154,7 +145,7 @@ def _flip_bits(path: Path, count: int, seed: int) -> None:
 def _kill_when(command, ready, timeout=300) -> str:
   """Starts `command`, SIGKILLs it as soon as `ready()` holds (checked every millisecond) and
   returns what it wrote to stderr until then."""
-  with subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL,
+  with subprocess.Popen(command, cwd=ROOT, env=subprocess_env(), stdout=subprocess.DEVNULL,
                         stderr=subprocess.PIPE, text=True) as proc:
     deadline = time.time() + timeout
     try:
@@ -291,7 +282,7 @@ def test_resume_skips_damaged_weights_and_keeps_them(files, reference):
   # The 4 newest good ones, and the damaged one, which is never deleted.
   assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8, 10]
   losses = _losses(workdir)
-  assert {s: losses[s] for s in range(1, STEPS + 1)} == _losses(reference)
+  assert {s: losses[s] for s in _losses(reference)} == _losses(reference)
 
 
 @pytest.mark.parametrize("kind", ["flip", "altered"])

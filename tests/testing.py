@@ -1,7 +1,8 @@
 """Helpers shared by the test files: reproducible seeds, per-dtype tolerances, one closeness
-assertion, random attention inputs, and the `GRID` parametrization hook of tests/conftest.py.
+assertion, random attention inputs, the `GRID` parametrization hook of tests/conftest.py, and the
+reference runs one session shares (`shared_run`; the char-LM run of conftest's `charlm_run`).
 
-Only jax, numpy, pytest and the package's configs are imported here (no torch, no model code),
+Only jax, numpy and pytest are imported here (no torch, no model code),
 so any test may import it; torch-based helpers live in tests/hf_testing.py. Test modules import
 helpers from here (`from testing import ...`: pyproject's pytest `pythonpath` puts tests/ on the
 path), never from another test module.
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from longformer_jax.config import CharLMConfig
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------------------------------------
 # Seeds
@@ -199,14 +201,97 @@ def make_model_inputs(seed: int = 0) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Char-LM sample run: the model and stage windows of the tiny trained workdir the sampling and
-# export command-line tests read. One layer and the dense reference band op: training compiles
-# its step, its checkpoint checks and its checksums, which dominate that run's time.
+# Reference runs shared by the whole session
 
-CHARLM_RUN_MODEL = CharLMConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
-                                intermediate_size=64, attention_window=8,
-                                attention_dilation=((1, 2),), attention_impl="reference")
-CHARLM_RUN_WINDOWS = (5,)  # the stage's windows, not the model config's: the CLI must use these
+
+def shared_dir(tmp_path_factory) -> Path:
+  """A directory of this test session that every xdist worker sees (the parent of the workers'
+  base temp directories; pytest's base temp without xdist)."""
+  base = tmp_path_factory.getbasetemp()
+  return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def shared_run(tmp_path_factory, name: str, make) -> Path:
+  """The directory `name` of `shared_dir`, filled once per session by `make(directory)`: the
+  first worker to ask makes it under a file lock while the others wait, so a reference run is
+  trained once however many modules and workers read it. Read only: a test that changes a run
+  copies it first. A `make` that fails leaves no directory (the next caller tries again)."""
+  import fcntl
+  import shutil
+  root = shared_dir(tmp_path_factory)
+  directory, done = root / name, root / f"{name}.done"
+  with open(root / f"{name}.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      shutil.rmtree(directory, ignore_errors=True)
+      directory.mkdir()
+      try:
+        make(directory)
+      except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+      done.touch()
+  return directory
+
+
+@dataclasses.dataclass(frozen=True)
+class CharLMRun:
+  """The session's tiny char-LM run (conftest's `charlm_run`): `python -m train.charlm --config
+  config --data-file data --skip-final-eval` into `workdir`; `eval_data` is the last 400 bytes
+  of `data`. Its stage's windows differ from the model's, so readers must take the run's."""
+  workdir: Path
+  config: Path
+  data: Path
+  eval_data: Path
+  steps: int = 8
+  checkpoints: tuple[int, ...] = (2, 4, 6, 8)
+
+
+CHARLM_RUN_CONFIG = """
+from longformer_jax.config import CharLMConfig
+from longformer_jax.training import Stage, TrainConfig
+
+def get_config():
+  model = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
+                       intermediate_size=64, attention_window=(4, 8))
+  stages = (Stage(seq_len=16, batch_size=4, steps=8, learning_rate=3e-3, warmup_steps=1,
+                  windows=(3, 6)),)
+  return TrainConfig(model=model, dataset="enwik8_sample", stages=stages, eval_every=4,
+                     eval_tokens=256, eval_batch_size=4, checkpoint_every=2,
+                     keep_checkpoints=4, clip_norm=1.0)
+"""
+
+
+def charlm_command(config: Path, data: Path, workdir: Path, *args: str) -> list[str]:
+  """The `python -m train.charlm` command line of a `CharLMRun`-like run."""
+  return [sys.executable, "-m", "train.charlm", "--config", str(config), "--workdir",
+          str(workdir), "--data-file", str(data), "--no-progress", "--skip-final-eval", *args]
+
+
+def subprocess_env() -> dict[str, str]:
+  """The environment of the command lines tests start: CPU, no libtpu start-up lines on
+  stderr, no .pyc files (a test limiting the file size must hit the checkpoint)."""
+  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONDONTWRITEBYTECODE="1")
+
+
+def make_charlm_run(directory: Path) -> CharLMRun:
+  """Writes the run's inputs into `directory` and trains it (`shared_run`'s `make`)."""
+  rng = np.random.default_rng(seed_of("charlm run data"))
+  data = rng.integers(0, 256, 20_000).astype(np.uint8).tobytes()
+  run = charlm_run_files(directory)
+  run.data.write_bytes(data)
+  run.eval_data.write_bytes(data[-400:])
+  run.config.write_text(CHARLM_RUN_CONFIG)
+  proc = subprocess.run(charlm_command(run.config, run.data, run.workdir), cwd=ROOT,
+                        env=subprocess_env(), capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert [l for l in proc.stderr.splitlines() if l.strip()] == [], proc.stderr[-3000:]
+  return run
+
+
+def charlm_run_files(directory: Path) -> CharLMRun:
+  return CharLMRun(workdir=directory / "run", config=directory / "config.py",
+                   data=directory / "data.bin", eval_data=directory / "eval.bin")
 
 
 # ---------------------------------------------------------------------------------------------
