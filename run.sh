@@ -76,7 +76,9 @@ case "$cmd" in
     # Tiers are markers (pyproject.toml, tests/conftest.py); the fast tier leaves out the command
     # lines, multi-process and whole training runs, and the costly kernel and TPU suites.
     tier=(); [[ "$cmd" == fast ]] && tier=(-m "not integration and not slow")
-    exec "$VENV/bin/python" -m pytest -n 2 --dist loadscope "${tier[@]}" "$@"
+    # --no-loadscope-reorder: keep conftest.py's order (costly modules first) instead of xdist's
+    # (modules with the most tests first, which leaves the long single-test modules for last).
+    exec "$VENV/bin/python" -m pytest -n 2 --dist loadscope --no-loadscope-reorder "${tier[@]}" "$@"
     ;;
   bench)
     ensure_venv test

@@ -47,6 +47,11 @@ def pytest_collection_modifyitems(config, items):
   if untiered:
     raise pytest.UsageError(f"test modules without a tier mark (one of {', '.join(TIERS)}; "
                             f"tests/conftest.py): {', '.join(untiered)}")
+  # The costly tiers first (a stable sort keeps each module's and class's tests together):
+  # with --no-loadscope-reorder (run.sh) xdist hands out modules in this order, so the long
+  # ones start early instead of keeping one worker busy after the other has finished.
+  items.sort(key=lambda item: 0 if item.get_closest_marker("integration") else
+             1 if item.get_closest_marker("slow") else 2)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from longformer_jax import checkpoint, modeling
 from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_bpc, evaluate_run
-from longformer_jax.training import Stage, TrainConfig, Trainer, train
+from longformer_jax.training import Trainer, read_run_config
 
 # slow: in-process, but most of the cost is training runs, command lines and subprocesses.
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
@@ -93,16 +93,6 @@ CHAR_MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_hea
                           intermediate_size=64, attention_window=(4, 8))
 
 
-def _trained_run(workdir):
-  """A tiny char-LM run of 2 steps with train-state checkpoints at steps 1 and 2."""
-  cfg = TrainConfig(model=CHAR_MODEL, stages=(
-      Stage(seq_len=16, batch_size=4, steps=2, learning_rate=1e-2, windows=(2, 6)),),
-                    eval_every=10_000, checkpoint_every=1, async_checkpoints=False)
-  data = np.random.default_rng(0).integers(0, 256, 2048).astype(np.uint8)
-  train(cfg, workdir, CharLMTask(data), progress=False)
-  return cfg
-
-
 def _assert_same_params(a, b):
   a, b = nnx.to_pure_dict(a), nnx.to_pure_dict(b)
   assert jax.tree.structure(a) == jax.tree.structure(b)
@@ -110,31 +100,33 @@ def _assert_same_params(a, b):
     np.testing.assert_array_equal(x, y)
 
 
-def test_load_params_never_reads_the_optimizer_state(tmp_path):
-  cfg = _trained_run(tmp_path)
+def test_load_params_never_reads_the_optimizer_state(tmp_path, charlm_run):
+  workdir = tmp_path / "run"
+  shutil.copytree(charlm_run.workdir, workdir)  # the session's tiny run: checkpoints 2 to 8
+  cfg = read_run_config(workdir)
   trainer = Trainer(cfg, task=CharLMTask())
-  trained = {step: trainer.restore(tmp_path, step)[0].params for step in (1, 2)}
-  # Step 2 loses its optimizer state, step 1's is overwritten with garbage.
-  shutil.rmtree(tmp_path / "checkpoints" / "2" / "opt_state")
-  for f in (tmp_path / "checkpoints" / "1" / "opt_state").rglob("*"):
+  trained = {step: trainer.restore(workdir, step)[0].params for step in (6, 8)}
+  # Step 8 loses its optimizer state, step 6's is overwritten with garbage.
+  shutil.rmtree(workdir / "checkpoints" / "8" / "opt_state")
+  for f in (workdir / "checkpoints" / "6" / "opt_state").rglob("*"):
     if f.is_file():
       f.write_bytes(b"not an orbax file")
-  with pytest.raises(checkpoint.DamagedCheckpointError, match="^step 1 opt_state: "):
-    trainer.restore(tmp_path, 1)
+  with pytest.raises(checkpoint.DamagedCheckpointError, match="^step 6 opt_state: "):
+    trainer.restore(workdir, 6)
 
   target = trainer.abstract_state().params
-  _assert_same_params(checkpoint.load_params(tmp_path, target), trained[2])  # the latest
-  _assert_same_params(checkpoint.load_params(tmp_path / "checkpoints", target, step=1),
-                      trained[1])
+  _assert_same_params(checkpoint.load_params(workdir, target), trained[8])  # the latest
+  _assert_same_params(checkpoint.load_params(workdir / "checkpoints", target, step=6),
+                      trained[6])
   # The evaluation entry points go through load_params: the run's model with the final windows.
   data = np.random.default_rng(1).integers(0, 256, 100).astype(np.uint8)
-  result = evaluate_run(tmp_path, data, context=16, stride=8, batch_size=3)
-  expected = evaluate_bpc(trainer.model(trained[2]), data, context=16, stride=8, batch_size=3,
-                          windows=(2, 6))
-  assert result["step"] == 2 and result["windows"] == [2, 6] and result["bytes"] == 100
+  result = evaluate_run(workdir, data, context=16, stride=8, batch_size=3)
+  expected = evaluate_bpc(trainer.model(trained[8]), data, context=16, stride=8, batch_size=3,
+                          windows=(3, 6))
+  assert result["step"] == 8 and result["windows"] == [3, 6] and result["bytes"] == 100
   np.testing.assert_allclose(result["bpc"], expected, rtol=1e-6)
   with pytest.raises(FileNotFoundError, match="no checkpoint of step 7"):
-    checkpoint.load_params(tmp_path, target, step=7)
+    checkpoint.load_params(workdir, target, step=7)
 
 
 def test_load_params_of_a_model_checkpoint(tmp_path):
