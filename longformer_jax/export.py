@@ -20,9 +20,9 @@ Shapes are static: `seq_len` given as a list exports one program per length (a b
 dict {length: Exported}; pad each request to the smallest bucket that holds it with the pad
 token and `attention_mask` 0 (its real positions then give the unpadded outputs). `max_global`
 bounds the global tokens per row: a traced mask cannot be counted, so the program has
-`max_global` global slots; with the band implementations a row with more global tokens comes
-back as NaN, never silently truncated (docs/design.md §1.4). The default is 1 for sequence
-classification (<s>), `DEFAULT_MAX_GLOBAL` (at most the length) for the other encoder heads.
+`max_global` global slots; a row with more global tokens comes back as NaN, never silently
+truncated (docs/design.md §1.4). The default is 1 for sequence classification (<s>),
+`DEFAULT_MAX_GLOBAL` (at most the length) for the other encoder heads.
 
 LED (`export_led`): three programs per length: `encode`, `init_cache` (the cross-attention keys
 and values, once) and `decode_step` (new tokens + cache -> logits + the updated cache), the

@@ -1,11 +1,14 @@
 """The attention op against its dense reference (docs/design.md §1), for every fast implementation.
 
 `TestChunked` holds the whole suite; another implementation reruns all of it by subclassing with
-a different `IMPL` (`TestPallas`, at the end), so no test is written twice.
+a different `IMPL` (`TestPallas`, at the end), so no test is written twice. The bad-value tests
+(padding holding NaN or inf, too few global slots) hold for the dense reference too: their
+bodies are functions that the class and module-level reference tests both call.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import zlib
 
@@ -41,6 +44,11 @@ def _grid():
 
 
 GRID = _grid()
+# Rows with padding, with and without globals: for the bad-value tests.
+PADDED_CASES = [
+    Case(batch=2, seq=37, heads=2, window=3, dilation=(1, 2), padding=True, max_globals=2),
+    Case(batch=2, seq=37, heads=2, window=3, dilation=(2, 1), causal=True, padding=True),
+]
 
 
 class TestChunked:
@@ -190,15 +198,83 @@ class TestChunked:
     loss = lambda q: self.attention(q, k, v, **kwargs).sum()
     np.testing.assert_allclose(jax.grad(jax.checkpoint(loss))(q), jax.grad(loss)(q), atol=1e-6)
 
-  def test_too_few_global_slots_under_jit_poisons_the_row(self):
-    case = Case(batch=2, seq=16, heads=1, window=2, max_globals=3)
-    (q, k, v), kwargs = make_inputs(case, seed=4)
-    am, gm, gqkv = kwargs["attention_mask"], kwargs["global_mask"], kwargs["global_qkv"]
-    out = jax.jit(lambda gm: self.attention(q, k, v, window=2, attention_mask=am, global_mask=gm,
-                                            global_qkv=gqkv, max_global=2))(gm)
-    counts = np.asarray(gm.sum(1))
-    assert counts.tolist() == [3, 2]
-    assert bool(jnp.all(jnp.isnan(out[0]))) and bool(jnp.all(jnp.isfinite(out[1])))
+  # --------------------------------------------------------------------------- bad values
+
+  @pytest.mark.parametrize("case", PADDED_CASES, ids=str)
+  def test_padded_positions_never_reach_real_rows(self, case):
+    check_padded_positions_never_reach_real_rows(self.IMPL, case)
+
+  @pytest.mark.parametrize("max_global", [0, 1])
+  def test_too_few_global_slots_under_jit_poisons_the_row(self, max_global):
+    check_too_few_global_slots_poison_the_row(self.IMPL, max_global)
+
+
+# ------------------------------------------------------------------------ bad values, every impl
+# The bodies of the class's bad-value tests, also run for the dense reference below.
+
+def check_padded_positions_never_reach_real_rows(impl, case):
+  """NaN, inf or a huge value written into the padded positions of q, k, v (and of the global
+  projections) change no output and no gradient: the op computes exactly what it computes on
+  the clean inputs, padded-query outputs stay zero."""
+  (q, k, v), kwargs = make_inputs(case, seed=seed_of(case))
+  inputs = (q, k, v, kwargs.pop("global_qkv", None))
+  padded_BxN = ~kwargs["attention_mask"]
+  assert bool(jnp.any(padded_BxN)) and not bool(jnp.all(padded_BxN))
+  cotangent = jax.random.normal(jax.random.key(2), q.shape)
+
+  @jax.jit
+  @functools.partial(jax.grad, argnums=(0, 1, 2, 3), has_aux=True)
+  def grad_fn(q, k, v, global_qkv):
+    out = ops.longformer_attention(q, k, v, global_qkv=global_qkv, impl=impl, **kwargs)
+    return jnp.sum(out * cotangent), out
+
+  grads_clean, out_clean = grad_fn(*inputs)
+  assert not jnp.any(out_clean[padded_BxN])
+  for value in (jnp.nan, jnp.inf, -jnp.inf, 1e30):
+    poison = lambda x: jnp.where(padded_BxN[:, :, None, None], value, x)
+    grads, out = grad_fn(*jax.tree.map(poison, inputs))
+    np.testing.assert_array_equal(out, out_clean, err_msg=f"out, padding = {value}")
+    for g, g_clean in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_clean)):
+      np.testing.assert_array_equal(g, g_clean, err_msg=f"gradient, padding = {value}")
+
+
+def check_too_few_global_slots_poison_the_row(impl, max_global):
+  """Under jit, a row with more global tokens than `max_global` (0 included) is NaN at its real
+  positions (padding queries stay zero); the other rows are the op's result. With a concrete
+  mask the same bound is a ValueError naming the counts."""
+  case = Case(batch=3, seq=16, heads=2, window=2, dilation=(1, 2))
+  (q, k, v), kwargs = make_inputs(case, seed=4)
+  am = jnp.arange(case.seq)[None, :] < jnp.array([[16], [16], [11]])
+  gm = jnp.zeros((3, case.seq), bool).at[0, jnp.array([1, 9])].set(True).at[2, 5].set(True)
+  gqkv = tuple(jax.random.normal(jax.random.key(s), q.shape) for s in range(3))
+  kwargs.update(attention_mask=am, global_qkv=gqkv, impl=impl)
+  out = jax.jit(lambda gm: ops.longformer_attention(q, k, v, global_mask=gm,
+                                                     max_global=max_global, **kwargs))(gm)
+  poisoned_B = np.asarray(gm.sum(1)) > max_global
+  assert poisoned_B.tolist() == [True, False, max_global == 0]
+  real = np.asarray(am)
+  for b in range(case.batch):
+    if poisoned_B[b]:
+      assert bool(jnp.all(jnp.isnan(out[b, real[b]]))), b
+      assert not jnp.any(out[b, ~real[b]]), b
+    else:
+      eager = ops.longformer_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1],
+                                       **{**kwargs, "attention_mask": am[b:b + 1],
+                                          "global_mask": gm[b:b + 1],
+                                          "global_qkv": tuple(x[b:b + 1] for x in gqkv)})
+      np.testing.assert_allclose(out[b:b + 1], eager, atol=1e-6, rtol=1e-6)
+  with pytest.raises(ValueError, match=f"2 global tokens in a row; max_global={max_global}"):
+    ops.longformer_attention(q, k, v, global_mask=gm, max_global=max_global, **kwargs)
+
+
+@pytest.mark.parametrize("case", PADDED_CASES, ids=str)
+def test_reference_padded_positions_never_reach_real_rows(case):
+  check_padded_positions_never_reach_real_rows("reference", case)
+
+
+@pytest.mark.parametrize("max_global", [0, 1])
+def test_reference_too_few_global_slots_under_jit_poisons_the_row(max_global):
+  check_too_few_global_slots_poison_the_row("reference", max_global)
 
 
 # ------------------------------------------------------------------------ independent of impl

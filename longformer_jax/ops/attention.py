@@ -1,6 +1,8 @@
 """`longformer_attention`: the public op, one signature for every implementation.
 
 The composition (docs/design.md §2.1-2.2), shared by the chunked path and the TPU kernel:
+  0. the padding positions of q, k, v and of the global projections are zeroed by a select, so
+     that no value there (NaN and inf included) reaches a real row, forward or backward;
   1. dilation: a head with dilation d attends an undilated band on the d interleaved
      subsequences i mod d (paper §3.1), so heads are grouped by dilation and each group runs the
      band kernel on [batch * d, seq / d] - no kernel knows about dilation;
@@ -8,7 +10,8 @@ The composition (docs/design.md §2.1-2.2), shared by the chunked path and the T
   3. a small dense [seq x globals] part attends the global keys (local projections) and is
      merged with the band by log-sum-exp, so each key is counted once;
   4. the global rows are overwritten by a dense [globals x seq] pass with the global projections;
-  5. padding queries are zeroed.
+  5. rows with more global tokens than slots (a traced mask, a too-small max_global) are set to
+     NaN, and padding queries are zeroed.
 The `"reference"` implementation bypasses all of this and computes the masks densely.
 The Triton (GPU) kernels fold steps 1 and 3 in (`_compose_fused`, §2.4): dilation is addressed
 in place by their BlockSpecs and the global keys are one more key tile of their online softmax,
@@ -37,7 +40,7 @@ from longformer_jax.ops import sequence_parallel as sp
 from longformer_jax.ops.band_chunked import band_attention_chunked
 from longformer_jax.ops.band_reference import masked_softmax_attention
 from longformer_jax.ops.reference import dense_attention
-from longformer_jax.ops.validation import validate_attention_args
+from longformer_jax.ops.validation import validate_attention_args, zero_padding
 
 IMPLS = ("reference", "chunked", "pallas")
 
@@ -175,7 +178,8 @@ def _band_all_heads(band_kernel, q, k, v, key_mask, *, window, dilations, causal
 
 
 def _global_slots(global_mask, num_global: int):
-  """Positions of each row's global tokens, [batch, num_global], and which slots are real."""
+  """Positions of each row's global tokens, [batch, num_global], and which slots are real (a
+  row with more globals than slots loses the rest here: `_finish` poisons it)."""
   # The barrier keeps XLA from constant-folding what follows when the mask is a constant (a
   # fixed layout): it folded the stable argsort this replaced in 3.6 s at 1 x 65536 and 33 s at
   # 8 x 65536 on CPU, and seconds on the H200, at every compile.
@@ -187,10 +191,13 @@ def _global_slots(global_mask, num_global: int):
   idx_BxG = jnp.sum(count_BxN[:, None, :] <= slots_G[None, :, None], axis=2, dtype=jnp.int32)
   idx_BxG = jnp.minimum(idx_BxG, global_mask.shape[1] - 1)
   valid_BxG = slots_G[None, :] < count_BxN[:, -1:]
-  # Rows with more globals than slots (only possible under jit with a too-small max_global)
-  # are poisoned with NaN below rather than silently losing global tokens.
-  overflow_B = jnp.sum(global_mask, axis=1) > num_global
-  return idx_BxG, valid_BxG, overflow_B
+  return idx_BxG, valid_BxG
+
+
+def _has_slots(global_mask, num_global: int) -> bool:
+  """Whether global attention runs: a global mask and at least one slot (a traced mask with
+  max_global=0 has none: `_finish` poisons its rows that hold global tokens)."""
+  return global_mask is not None and num_global > 0
 
 
 def _gather_rows(x_BxNxHxD, idx_BxG):
@@ -207,22 +214,34 @@ def _merge_band_and_global_keys(band_out, band_lse, q, k_glob, v_glob, valid_BxG
   return w_band * band_out.astype(jnp.float32) + w_glob * glob_out.astype(jnp.float32)
 
 
-def _scatter_global_rows(out, rows_BxGxHxD, idx_BxG, valid_BxG, overflow_B):
-  """Step 4's rows written over the global positions; rows beyond max_global poison with NaN."""
+def _scatter_global_rows(out, rows_BxGxHxD, idx_BxG, valid_BxG):
+  """Step 4's rows written over the global positions."""
   scatter_idx = jnp.where(valid_BxG, idx_BxG, out.shape[1])  # filler slots point past the end
   batch_idx = jnp.arange(out.shape[0])[:, None]
-  out = out.at[batch_idx, scatter_idx].set(rows_BxGxHxD.astype(out.dtype), mode="drop")
-  return jnp.where(overflow_B[:, None, None, None], jnp.nan, out)
+  return out.at[batch_idx, scatter_idx].set(rows_BxGxHxD.astype(out.dtype), mode="drop")
+
+
+def _finish(out, attention_mask, global_mask, num_global, axis_name=None):
+  """Step 5: rows with more global tokens than `num_global` slots (only possible with a traced
+  mask and a too-small max_global, 0 included) set to NaN rather than silently losing global
+  tokens; padding queries zeroed. `axis_name`: the mesh axis the sequence is split over (the
+  rows' counts are summed over it)."""
+  if global_mask is not None:
+    count_B = jnp.sum(global_mask, axis=1, dtype=jnp.int32)
+    if axis_name is not None:
+      count_B = lax.psum(count_B, axis_name)
+    out = jnp.where((count_B > num_global)[:, None, None, None], jnp.nan, out)
+  return jnp.where(attention_mask[:, :, None, None], out, 0)
 
 
 def _with_globals(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
                   num_global):
   """Steps 3-4 of the module docstring."""
-  idx_BxG, valid_BxG, overflow_B = _global_slots(global_mask, num_global)
+  idx_BxG, valid_BxG = _global_slots(global_mask, num_global)
   out = _merge_band_and_global_keys(band_out, band_lse, q, _gather_rows(k, idx_BxG),
                                     _gather_rows(v, idx_BxG), valid_BxG)
   return _scatter_global_rows(out, _global_rows(*global_qkv, idx_BxG, attention_mask), idx_BxG,
-                              valid_BxG, overflow_B)
+                              valid_BxG)
 
 
 def _global_rows(q_g, k_g, v_g, idx_BxG, attention_mask):
@@ -234,40 +253,42 @@ def _global_rows(q_g, k_g, v_g, idx_BxG, attention_mask):
 
 def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
                    dilations, causal, num_global):
-  """Steps 1-5 with a kernel that takes the dilation and the global keys itself: the only work
+  """Steps 1-4 with a kernel that takes the dilation and the global keys itself: the only work
   outside it is gathering the G global rows and the [G x N] pass of step 4."""
-  if global_mask is None:
+  if not _has_slots(global_mask, num_global):
     out, _ = band_kernel(q, k, v, attention_mask, window=window, causal=causal,
                          dilation=dilations)
-  else:
-    idx_BxG, valid_BxG, overflow_B = _global_slots(global_mask, num_global)
-    global_kv = (_gather_rows(k, idx_BxG), _gather_rows(v, idx_BxG), valid_BxG)
-    out, _ = band_kernel(q, k, v, attention_mask & ~global_mask, window=window, causal=causal,
-                         dilation=dilations, global_kv=global_kv)
-    out = _scatter_global_rows(out, _global_rows(*global_qkv, idx_BxG, attention_mask), idx_BxG,
-                               valid_BxG, overflow_B)
-  return jnp.where(attention_mask[:, :, None, None], out, 0)
+    return out
+  idx_BxG, valid_BxG = _global_slots(global_mask, num_global)
+  global_kv = (_gather_rows(k, idx_BxG), _gather_rows(v, idx_BxG), valid_BxG)
+  out, _ = band_kernel(q, k, v, attention_mask & ~global_mask, window=window, causal=causal,
+                       dilation=dilations, global_kv=global_kv)
+  return _scatter_global_rows(out, _global_rows(*global_qkv, idx_BxG, attention_mask), idx_BxG,
+                              valid_BxG)
 
 
 def _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
              dilations, causal, num_global, fused=False):
-  """Steps 1-5 of the module docstring on whole sequences (one device, or one batch shard)."""
+  """Steps 0-5 of the module docstring on whole sequences (one device, or one batch shard)."""
+  q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
   if fused:
-    return _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv,
-                          window=window, dilations=dilations, causal=causal,
-                          num_global=num_global)
-  key_mask = attention_mask if global_mask is None else attention_mask & ~global_mask
+    out = _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv,
+                         window=window, dilations=dilations, causal=causal,
+                         num_global=num_global)
+    return _finish(out, attention_mask, global_mask, num_global)
+  globals_ = _has_slots(global_mask, num_global)
+  key_mask = attention_mask & ~global_mask if globals_ else attention_mask
   out, lse = _band_all_heads(band_kernel, q, k, v, key_mask, window=window,
                              dilations=dilations, causal=causal)
-  if global_mask is not None:
+  if globals_:
     out = _with_globals(out, lse, q, k, v, global_qkv, attention_mask, global_mask, num_global)
-  return jnp.where(attention_mask[:, :, None, None], out, 0)
+  return _finish(out, attention_mask, global_mask, num_global)
 
 
 def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *,
                             window, dilations, causal, num_global, axis_name, num_shards,
                             fused=False):
-  """Steps 1-5 on one shard of the sequence (inside shard_map; docs/design.md §2.6).
+  """Steps 0-5 on one shard of the sequence (inside shard_map; docs/design.md §2.6).
 
   The band: keys, values and the key mask are extended by the `window * dilation` rows each side
   that this shard's queries can reach (`halo_exchange`); the band kernel runs on the extended
@@ -276,10 +297,13 @@ def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, g
   dilation's residue classes need no global offset. Globals: see `_with_globals_sharded`.
   """
   n = q.shape[1]
+  # Zeroed before the halo exchange: a shard's halo holds its neighbours' zeroed rows.
+  q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
   # A shard never needs rows from further than the whole rest of the sequence.
   reach = min(window * max(dilations), (num_shards - 1) * n)
   left, right = reach, 0 if causal else reach
-  key_mask = attention_mask if global_mask is None else attention_mask & ~global_mask
+  globals_ = _has_slots(global_mask, num_global)
+  key_mask = attention_mask & ~global_mask if globals_ else attention_mask
   extend = functools.partial(sp.halo_exchange, axis_name=axis_name, num_shards=num_shards,
                              left=left, right=right)
   k_ext, v_ext = extend(k), extend(v)
@@ -288,10 +312,10 @@ def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, g
   out, lse = _band_all_heads(band_kernel, q_ext, k_ext, v_ext, key_mask_ext, window=window,
                              dilations=dilations, causal=causal, fused=fused)
   out, lse = out[:, left:left + n], lse[:, :, left:left + n]
-  if global_mask is not None:
+  if globals_:
     out = _with_globals_sharded(out, lse, q, k, v, global_qkv, attention_mask, global_mask,
                                 num_global, axis_name)
-  return jnp.where(attention_mask[:, :, None, None], out, 0)
+  return _finish(out, attention_mask, global_mask, num_global, axis_name)
 
 
 def _with_globals_sharded(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
@@ -301,8 +325,7 @@ def _with_globals_sharded(band_out, band_lse, q, k, v, global_qkv, attention_mas
   (shards * num_global rows: never the full length), and the global rows are computed as
   partial softmaxes over each shard's keys merged across shards."""
   slots = min(num_global, q.shape[1])
-  idx_BxG, valid_BxG, _ = _global_slots(global_mask, slots)
-  overflow_B = lax.psum(jnp.sum(global_mask, axis=1), axis_name) > num_global
+  idx_BxG, valid_BxG = _global_slots(global_mask, slots)
   gather = functools.partial(sp.all_gather_slots, axis_name=axis_name)
   valid_BxSG = gather(valid_BxG)
   out = _merge_band_and_global_keys(band_out, band_lse, q, gather(_gather_rows(k, idx_BxG)),
@@ -312,7 +335,7 @@ def _with_globals_sharded(band_out, band_lse, q, k, v, global_qkv, attention_mas
       gather(_gather_rows(q_g, idx_BxG)).astype(jnp.float32), k_g, v_g,
       attention_mask[:, None, None, :])
   gq_out = sp.merge_partial_softmax(part_out, part_lse, axis_name=axis_name)
-  return _scatter_global_rows(out, gq_out, idx_BxG, valid_BxG, overflow_B)
+  return _scatter_global_rows(out, gq_out, idx_BxG, valid_BxG)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -540,7 +563,9 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
       (HF's `attention_window` is the total, twice this).
     dilation: an int, or a tuple with one int per head.
     causal: query i sees keys i - d*t for t in 0..window. Incompatible with global tokens.
-    attention_mask: [batch, seq], 1 for real tokens, 0 for padding. Padding queries output 0.
+    attention_mask: [batch, seq], 1 for real tokens, 0 for padding. Padding queries output 0,
+      and whatever q, k, v and global_qkv hold at padding positions (NaN and inf included)
+      changes no output and no gradient.
     global_mask: [batch, seq], 1 for global tokens (any number per row).
     global_qkv: (q_g, k_g, v_g), shaped like q, from the global projections; required when any
       token is global.
@@ -549,8 +574,9 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
       chunked).
     max_global: static upper bound on global tokens per row. Needed only when global_mask is a
       traced value (inside jit, vmap or shard_map); otherwise the exact count is read from the
-      mask. A row with more global tokens than this outputs NaN instead of silently dropping
-      them.
+      mask. A row with more global tokens than this (0 included) outputs NaN at its real
+      positions instead of silently dropping them; with a concrete mask a smaller bound than
+      the count is a ValueError.
     mesh: the device mesh the inputs are laid out on. Given a mesh, the band runs per shard
       inside the op's own `shard_map` over every axis of it, and the platform (which kernel,
       interpret mode or not) is the mesh devices', so compiling ahead of time for a TPU from a
@@ -604,7 +630,7 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
   impl = resolve_impl(impl, q, window, platform)
   manual = () if ctx is None else tuple(ctx.manual_axes)
   if impl == "reference":  # dense, for tests: XLA partitions it on a mesh
-    dense = dict(window=window, dilations=dilations, causal=causal)
+    dense = dict(window=window, dilations=dilations, causal=causal, num_global=num_global)
     if seq_axis is not None and seq_axis in manual:
       return _dense_sequence_shard(q, k, v, attention_mask, global_mask, global_qkv,
                                    seq_axis=seq_axis, **dense).astype(q.dtype)

@@ -13,6 +13,8 @@ Contract, for q, k, v of shape [batch, seq, heads, head_dim] and key_mask [batch
   scores = q_i . k_j / sqrt(head_dim), softmax in float32.
   returns out [batch, seq, heads, head_dim] (dtype of q) and lse [batch, heads, seq] (float32).
   A row with no key gets out = 0 and lse = EMPTY_LSE, and all its gradients are finite.
+  Keys and values where key_mask is False must be finite: their probability of exactly 0 does
+  not cancel NaN or inf in P @ V (`longformer_attention` zeroes padding before any band kernel).
   Differentiable w.r.t. q, k, v with cotangents for both out and lse.
 """
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from longformer_jax.ops.band_reference import masked_softmax_attention
-from longformer_jax.ops.validation import validate_attention_args
+from longformer_jax.ops.validation import validate_attention_args, zero_padding
 
 
 def dilated_band_mask(seq: int, window: int, dilations, causal: bool) -> jax.Array:
@@ -39,16 +39,17 @@ def longformer_attention_reference(q, k, v, *, window: int, dilation=1, causal: 
   attention probabilities over all keys (zero rows for padding queries); dense, for small inputs
   (e.g. `output_attentions`).
   """
-  dilations, attention_mask, global_mask, global_qkv, _ = validate_attention_args(
+  dilations, attention_mask, global_mask, global_qkv, num_global = validate_attention_args(
       q, k, v, window=window, dilation=dilation, causal=causal, attention_mask=attention_mask,
       global_mask=global_mask, global_qkv=global_qkv, max_global=q.shape[1])
   return dense_attention(q, k, v, window=window, dilations=dilations, causal=causal,
                          attention_mask=attention_mask, global_mask=global_mask,
-                         global_qkv=global_qkv, return_probs=return_probs)
+                         global_qkv=global_qkv, num_global=num_global,
+                         return_probs=return_probs)
 
 
 def dense_attention(q, k, v, *, window: int, dilations, causal: bool, attention_mask,
-                    global_mask, global_qkv, return_probs: bool = False):
+                    global_mask, global_qkv, num_global: int, return_probs: bool = False):
   """Longformer attention computed densely, on arguments normalised by `validate_attention_args`.
 
   Args:
@@ -58,7 +59,9 @@ def dense_attention(q, k, v, *, window: int, dilations, causal: bool, attention_
     causal: causal band (then there are no global tokens).
     attention_mask: [batch, seq] bool, True for real tokens.
     global_mask: [batch, seq] bool, True for global tokens (and-ed with attention_mask), or None.
-    global_qkv: (q_g, k_g, v_g) or None when no token is global.
+    global_qkv: (q_g, k_g, v_g) or None when no token is global (or num_global is 0).
+    num_global: the bound on global tokens per row; a row with more is NaN at its real queries
+      (§1.4: a traced mask over a too-small max_global).
     return_probs: also return the attention probabilities [batch, heads, seq, seq] (float32) of
       each query over all keys; for `output_attentions` in small models.
 
@@ -66,6 +69,8 @@ def dense_attention(q, k, v, *, window: int, dilations, causal: bool, attention_
     out [batch, seq, heads, head_dim] (dtype of q), and probs if asked.
   """
   seq = q.shape[1]
+  # Padding positions zeroed by a select: masked keys get probability 0, but 0 * NaN is NaN.
+  q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
   band_HxNxN = dilated_band_mask(seq, window, dilations, causal)
   real_key_Bx1x1xN = attention_mask[:, None, None, :]
   # Non-global queries: the band plus every global key, each real key once (§2).
@@ -80,6 +85,10 @@ def dense_attention(q, k, v, *, window: int, dilations, causal: bool, attention_
     is_global_q_BxNx1x1 = global_mask[:, :, None, None]
     out = jnp.where(is_global_q_BxNx1x1, out_g, out)
     probs = jnp.where(global_mask[:, None, :, None], probs_g, probs)
+  if global_mask is not None:
+    too_many_Bx1x1x1 = (jnp.sum(global_mask, axis=1) > num_global)[:, None, None, None]
+    out = jnp.where(too_many_Bx1x1x1, jnp.nan, out)
+    probs = jnp.where(too_many_Bx1x1x1, jnp.nan, probs)
   real_q_BxNx1x1 = attention_mask[:, :, None, None]
   out = jnp.where(real_q_BxNx1x1, out, jnp.zeros((), out.dtype))
   if return_probs:

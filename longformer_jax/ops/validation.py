@@ -51,7 +51,9 @@ def validate_attention_args(q, k, v, *, window, dilation, causal, attention_mask
 
   Returns (dilations: one int per head, attention_mask: bool [batch, seq], global_mask: bool
   [batch, seq] and-ed with attention_mask, or None when no token is global, global_qkv or None,
-  num_global: static number of global slots per row).
+  num_global: static number of global slots per row). A traced global_mask with max_global=0
+  comes back with num_global 0 and no global_qkv: no global attention runs, and the mask only
+  says which rows exceed the bound (the op outputs NaN there).
   """
   if q.ndim != 4:
     raise ValueError(f"q has shape {q.shape}; expected [batch, seq, heads, head_dim]")
@@ -95,9 +97,9 @@ def validate_attention_args(q, k, v, *, window, dilation, causal, attention_mask
           "when tracing; pass max_global=<static upper bound on global tokens per row>")
     else:
       num_global = max_global
-    if num_global == 0:
+    if num_global == 0 and concrete:
       global_mask = None
-  if global_mask is not None:
+  if num_global:
     if causal:
       raise ValueError("causal=True with global tokens: a global token would see the future; "
                        "pass no global_mask (or an all-zero one) in causal mode")
@@ -112,3 +114,18 @@ def validate_attention_args(q, k, v, *, window, dilation, causal, attention_mask
   else:
     global_qkv = None
   return dilation, attention_mask, global_mask, tuple(global_qkv or ()) or None, num_global
+
+
+def zero_padding(attention_mask_BxN, tree):
+  """Every [batch, seq, ...] array in `tree` (None entries stay None) with its padding positions
+  (attention_mask False) set to zero.
+
+  Masking a key by its probability is not enough: a padded key gets probability exactly 0, but
+  0 * NaN (or inf) is NaN in p @ V and in the scores' max and lse, and a huge finite key outweighs
+  the additive mask. A select, not a multiplication, removes any value, and its gradient with
+  respect to the padded positions is exactly zero.
+  """
+  def zero(x):
+    keep = attention_mask_BxN.reshape(attention_mask_BxN.shape + (1,) * (x.ndim - 2))
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
+  return jax.tree.map(zero, tree)
