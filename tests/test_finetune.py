@@ -80,15 +80,16 @@ def data(tmp_path_factory):
 # attention (the same numbers as the band op, and a program that compiles faster), and a constant
 # learning rate, so that a run extended from 2 to 4 steps compiles the same training step. The
 # long-range test trains the tiny preset as it is.
-_SMALL = ("--set", "model.num_hidden_layers=1", "--set", "model.attention_impl=reference",
-          "--set", "stages.0.end_learning_rate=none", "--set", "stages.0.decay_power=none")
+_ONE_LAYER = ("--set", "model.num_hidden_layers=1", "--set", "model.attention_impl=reference")
+_SMALL = (*_ONE_LAYER, "--set", "stages.0.end_learning_rate=none", "--set",
+          "stages.0.decay_power=none")
 
 
-def _command(data, task, workdir, *extra):
+def _command(data, task, workdir, *extra, small=_SMALL):
   return ["--task", task, "--model", "tiny", "--tokenizer", data["tokenizer"],
           "--train", data[task, "train"], "--validation", data[task, "valid"],
           "--test", data[task, "valid"], "--max-length", "48", "--batch-size", "4",
-          "--learning-rate", "1e-3", "--workdir", str(workdir), "--no-progress", *_SMALL, *extra]
+          "--learning-rate", "1e-3", "--workdir", str(workdir), "--no-progress", *small, *extra]
 
 
 def _read_results(workdir):
@@ -99,6 +100,12 @@ def _read_results(workdir):
     with open(workdir / f"predictions_{split}.jsonl") as f:
       predictions[split] = [json.loads(line) for line in f]
   return results, predictions
+
+
+def _learning_rates(workdir):
+  with open(workdir / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  return {r["step"]: r["learning_rate"] for r in records if "learning_rate" in r}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -140,6 +147,25 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   loaded, loaded_predictions = _read_results(other)
   assert loaded["model"] == str(workdir) and loaded["test"] == results["test"]
   assert loaded_predictions == predictions
+
+
+def test_more_steps_extend_a_finished_run_on_its_own_schedule(data, tmp_path, capsys):
+  # The default schedule: warm-up over the first 10% of --steps, linear decay to 0.
+  workdir = tmp_path / "run"
+  command = lambda steps: _command(data, "classification", workdir, "--steps", str(steps),
+                                   "--skip-final-eval", small=_ONE_LAYER)
+  assert cli.main(command(10)) == 0
+  first = _learning_rates(workdir)
+  assert first[1] == 0 and first[2] == pytest.approx(1e-3) and first[10] > 0  # warm-up: 1 step
+  # Twice the steps: the warm-up (1 step, not 2) and the rates of the steps taken stay, and the
+  # decay goes on from the last of them to 0 over the 11 steps from it (no jump back up).
+  assert cli.main(command(20)) == 0
+  out = capsys.readouterr().out
+  assert "resumed from step 10" in out and "stages.0.steps: 10 -> 20" in out
+  rates = _learning_rates(workdir)
+  assert {s: rates[s] for s in first} == first
+  for step in range(11, 21):
+    assert rates[step] == pytest.approx(first[10] * (1 - (step - 10) / 11), rel=1e-5), step
 
 
 @pytest.mark.parametrize("task", ["qa", "token", "multiple_choice"])

@@ -315,6 +315,23 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
 
 
 
+def test_a_failed_starts_tokenizer_is_not_the_next_runs(tmp_path):
+  # A start that failed before its first checkpoint left its tokenizer, trained on another
+  # corpus: the next start trains its own and keeps that one.
+  from longformer_jax.cli.train.mlm import MLM
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  stale = tokenized.train_bpe(tokenized.documents("a b c d\n" * 50), vocab_size=270)
+  stale.save(str(workdir / mlm.TOKENIZER_FILE))
+  text = tmp_path / "corpus.txt"
+  text.write_text(TEXT * 20)
+  *_, plan = MLM().resolve(["--preset", "mlm_tiny", "--data", str(text), "--workdir",
+                            str(workdir), "--no-progress"])
+  saved = (workdir / mlm.TOKENIZER_FILE).read_text()
+  assert saved == plan.task.tokenizer.to_str(pretty=True) != stale.to_str(pretty=True)
+  assert "Ġquick" in plan.task.tokenizer.get_vocab()  # learnt from this corpus
+
+
 @pytest.mark.parametrize("args, message", [
     (["--preset", "nope"], "unknown preset 'nope'"),
     ([], "preset mlm_paper continues a pretrained model"),

@@ -12,6 +12,7 @@ damaged run must reproduce bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import shutil
@@ -30,8 +31,8 @@ import orbax.checkpoint as ocp
 
 from longformer_jax import checkpoint
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_run
-from longformer_jax.training import (RunMismatchError, Trainer, check_resume, config_record,
-                                     read_run_config)
+from longformer_jax.training import (RunMismatchError, Trainer, check_resume,
+                                     config_from_record, config_record, read_run_config)
 from testing import charlm_command, seed_of, subprocess_env
 
 pytestmark = pytest.mark.integration
@@ -389,6 +390,62 @@ def test_a_failed_save_stops_the_run_at_the_next_step(files, reference):
 
 
 # ----------------------------------------------------------------------------------------------
+# A torn metrics log, a failed start
+
+
+def test_a_torn_last_log_line_is_dropped_and_a_damaged_one_is_an_error(files, reference):
+  # The disk filled after checkpoint 6, while step 8's record was being written: the run died
+  # with half a line at the end of metrics.jsonl and no checkpoint 8.
+  workdir = _copy(reference, "torn_log")
+  shutil.rmtree(workdir / "checkpoints" / "8")
+  log = workdir / "metrics.jsonl"
+  lines = log.read_text().splitlines(keepends=True)
+  kept = [l for l in lines if json.loads(l)["step"] <= 7]
+  step_8 = next(l for l in lines if json.loads(l)["step"] == 8)
+  torn = step_8[:len(step_8) // 2]
+
+  # A damaged line that is not the last one: one error naming it, nothing written.
+  log.write_text("".join(kept[:2]) + kept[2][:20] + "\n" + "".join(kept[3:]) + torn)
+  before = _snapshot(workdir)
+  proc = _train(files, workdir)
+  assert proc.returncode == 1
+  [error] = _stderr_lines(proc)
+  assert error.startswith(f"error: {log}:3: not a JSON record (column ")
+  assert _snapshot(workdir) == before
+
+  # A torn last line: dropped with one warning; the run resumes from step 6 and every loss is
+  # the uninterrupted run's, each logged once.
+  log.write_text("".join(kept) + torn)
+  proc = _train(files, workdir)
+  assert proc.returncode == 0, proc.stderr
+  assert _stderr_lines(proc) == [
+      f"warning: {log}: dropped a torn last line ({len(torn)} bytes), what a write cut short "
+      "leaves (e.g. on a full disk)"]
+  assert "resumed from step 6" in proc.stdout
+  assert _losses(workdir) == _losses(reference)
+
+
+def test_a_failed_start_leaves_the_workdir_to_the_next_one(files, reference):
+  # Too few bytes for one batch: the run fails after writing its record, before any checkpoint.
+  workdir = files / "failed_start"
+  (files / "short.bin").write_bytes((files / "data.bin").read_bytes()[:60])
+  command = _train_command(files, workdir)
+  command[command.index("--data-file") + 1] = str(files / "short.bin")
+  proc = _run(command)
+  assert proc.returncode != 0 and "fewer than global_batch_size=4" in proc.stderr
+  assert (workdir / "run_config.json").exists() and not checkpoint.checkpoint_steps(workdir)
+  # The same command on the right data: the failed start's record is replaced (said in one
+  # line), and the run is the uninterrupted one.
+  proc = _train(files, workdir)
+  assert proc.returncode == 0, proc.stderr
+  assert _stderr_lines(proc) == [
+      f"warning: {workdir / 'run_config.json'} is the record of a run that saved no checkpoint "
+      "(a failed start); replaced by this run's settings"]
+  assert (workdir / "run_config.json").read_bytes() == (reference / "run_config.json").read_bytes()
+  assert _losses(workdir) == _losses(reference)
+
+
+# ----------------------------------------------------------------------------------------------
 # Resumes with other settings
 
 
@@ -463,6 +520,51 @@ def test_resume_rules():
           in str(e.value))
   with pytest.raises(RunMismatchError, match="cannot allow changes to model.hidden_size"):
     check_resume(stored, stored, step=15, allow=["model.hidden_size"])
+
+
+def test_a_stage_whose_length_changes_keeps_the_rates_of_the_steps_taken():
+  from longformer_jax.training import Stage, learning_rate_schedule
+  from longformer_jax.training.schedule import continued_stages, stage_schedule
+  rates = lambda stage, n: np.array([float(stage_schedule(stage)(c)) for c in range(n)])
+  polynomial = Stage(16, 4, 10, 1e-3, end_learning_rate=0.0, warmup_steps=2, decay_power=2.0)
+  cosine = Stage(16, 4, 10, 1e-3, end_learning_rate=1e-4, warmup_steps=2)
+  for stage in (polynomial, cosine):
+    # Resumed at step 6 with 20 steps: steps 0-5 keep their rates; from step 5 (the last one
+    # taken) the decay goes on, from its rate, to the end rate at step 20.
+    longer = dataclasses.replace(stage, steps=20, step_changes=((6, 10),))
+    before, after = rates(stage, 10), rates(longer, 25)
+    np.testing.assert_array_equal(after[:6], before[:6])
+    decay = dataclasses.replace(stage, learning_rate=float(before[5]), warmup_steps=0, steps=15)
+    np.testing.assert_allclose(after[5:], rates(decay, 20), rtol=1e-6)
+    assert after[20] == pytest.approx(stage.end_learning_rate) and after[6] < before[5]
+    # Shorter (not below the step reached), then longer again: each change starts from there.
+    both = dataclasses.replace(stage, steps=30, step_changes=((6, 10), (7, 8)))
+    shorter = rates(dataclasses.replace(stage, steps=8, step_changes=((6, 10),)), 8)
+    np.testing.assert_array_equal(rates(both, 7), shorter[:7])
+    assert rates(both, 31)[30] == pytest.approx(stage.end_learning_rate)
+    # Resumed in the warm-up: no step has decayed yet; the warm-up stays, the decay is longer.
+    np.testing.assert_array_equal(
+        rates(dataclasses.replace(stage, steps=20, step_changes=((2, 10),)), 22),
+        rates(dataclasses.replace(stage, steps=20), 22))
+  constant = Stage(16, 4, 10, 1e-3, warmup_steps=2)
+  np.testing.assert_array_equal(
+      rates(dataclasses.replace(constant, steps=20, step_changes=((6, 10),)), 22),
+      rates(dataclasses.replace(constant, steps=20), 22))
+
+  # The loop's part: a resume keeps the run's changes and adds one for each started stage
+  # whose length differs (stage-local step, steps before); a stage not started has none.
+  second = Stage(32, 2, 10, 5e-4, end_learning_rate=0.0)
+  stored = _record(stages=(Stage(16, 4, 10, 1e-3, step_changes=((4, 6),)), second))
+  cfg = config_from_record(_record(stages=(Stage(16, 4, 10, 1e-3),
+                                           dataclasses.replace(second, steps=30),
+                                           Stage(64, 1, 5, 1e-4))))
+  resumed = continued_stages(cfg, stored, step=15)
+  assert [s.step_changes for s in resumed.stages] == [((4, 6),), ((5, 10),), ()]
+  assert check_resume(stored, config_record(resumed) | {"data": stored["data"]}, step=15) == [
+      "stages.1.steps: 10 -> 30", "stages.2 added"]
+  np.testing.assert_array_equal(  # the second stage's 5 steps taken keep their rates
+      [float(learning_rate_schedule(resumed)(c)) for c in range(15)],
+      [float(learning_rate_schedule(config_from_record(stored))(c)) for c in range(15)])
 
 
 # ----------------------------------------------------------------------------------------------

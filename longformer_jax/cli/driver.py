@@ -38,7 +38,8 @@ Exit status, the same for every command (eval commands too):
 
   0   done
   1   the run failed: one `error: ...` line on stderr (settings that differ from the run's, a
-      diverging loss, a failed save, no checkpoint that restores)
+      diverging loss, a failed save, no checkpoint that restores, a damaged line in
+      metrics.jsonl)
   2   a bad command line, setting or input: one `<prog>: error: ...` line naming it
   75  preempted (SIGTERM) after saving its step: rerun the same command to resume
 """
@@ -264,7 +265,8 @@ def run_errors() -> tuple[type[Exception], ...]:
   """Exceptions that end a run with status 1 (`fail`)."""
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
-  return (training.RunMismatchError, training.NonFiniteLossError, CheckpointError)
+  return (training.RunMismatchError, training.NonFiniteLossError, CheckpointError,
+          training.DamagedLogError)
 
 
 def write_files(workdir, files: dict[str, str]) -> None:

@@ -278,15 +278,29 @@ def score(split: fd.FinetuneSplit, outputs: Mapping[str, np.ndarray]
 
 
 def new_run_config(source: ModelSource, *, steps: int, batch_size: int, learning_rate: float,
-                   max_length: int | None, seed: int) -> TrainConfig:
-  """A new run's TrainConfig: `source`'s model, one stage of `steps` AdamW steps of
-  `batch_size` records at `learning_rate` with a linear warm-up over the first 10% and a linear
-  decay to 0, rows of `max_length` tokens (None: the model's positions)."""
+                   max_length: int | None, seed: int, warmup_steps: int | None = None
+                   ) -> TrainConfig:
+  """A run's TrainConfig: `source`'s model, one stage of `steps` AdamW steps of `batch_size`
+  records at `learning_rate` with a linear warm-up over `warmup_steps` (None: the first 10% of
+  `steps`; a started run passes its own, `started_warmup`) and a linear decay to 0, rows of
+  `max_length` tokens (None: the model's positions)."""
   return TrainConfig(
       model=source.config, dataset="jsonl", seed=seed,
       stages=(Stage(seq_len=max_length or source.config.max_sequence_length,
                     batch_size=batch_size, steps=steps, learning_rate=learning_rate,
-                    warmup_steps=steps // 10, end_learning_rate=0.0, decay_power=1.0),))
+                    warmup_steps=steps // 10 if warmup_steps is None else warmup_steps,
+                    end_learning_rate=0.0, decay_power=1.0),))
+
+
+def started_warmup(workdir) -> int | None:
+  """The warm-up of the run in `workdir` if it has started (it has a checkpoint): fixed when it
+  started (10% of its first steps), it stays when more steps extend the run. None for a new
+  workdir or a failed start."""
+  from etils import epath
+  from longformer_jax.training.config import RUN_CONFIG, read_run_record, run_started
+  if not (run_started(workdir) and (epath.Path(workdir) / RUN_CONFIG).exists()):
+    return None
+  return read_run_record(workdir)["stages"][0]["warmup_steps"]
 
 
 def run_settings(workdir, task: str, max_length: int | None = None
@@ -519,6 +533,6 @@ __all__ = [
     "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head", "get_kind",
     "initial_model", "initial_params", "load_source", "macro_f1", "new_run_config",
     "normalize_answer", "predict", "read_splits", "register", "run_settings", "score",
-    "score_splits", "span_answer", "squad_scores", "starting_params", "tagging_scores",
-    "training_task",
+    "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
+    "tagging_scores", "training_task",
 ]

@@ -6,7 +6,8 @@
   overrides  apply_overrides: `--set path=value` changes of a config, parsed to the field types
   schedule   the learning-rate schedule and the optimizer
   sharding   the (data, fsdp, seq) mesh, logical axis rules, parameter and batch shardings
-  metrics    metrics.jsonl / TensorBoard and the curves plot
+  metrics    metrics.jsonl (read_log: a torn last line left out) / TensorBoard, the curves
+             plot
   task       Task: what a model family supplies (model, loss, batches, validation, restore,
              final evaluation)
   presets    named TrainConfig presets per task (`--preset NAME`)
@@ -22,7 +23,7 @@ from longformer_jax.training.config import (
 from longformer_jax.training.identity import RunMismatchError, check_resume
 from longformer_jax.training.loop import (
     NonFiniteLossError, Trainer, TrainState, maybe_initialize_distributed, train)
-from longformer_jax.training.metrics import MetricsLog, plot_curves
+from longformer_jax.training.metrics import DamagedLogError, MetricsLog, plot_curves, read_log
 from longformer_jax.training.overrides import apply_overrides
 from longformer_jax.training.schedule import learning_rate_schedule, make_optimizer
 from longformer_jax.training.sharding import (
@@ -30,10 +31,11 @@ from longformer_jax.training.sharding import (
 from longformer_jax.training.task import Batches, FinalEvaluation, Task
 
 __all__ = [
-    "Batches", "FinalEvaluation", "LOGICAL_RULES", "MetricsLog", "NonFiniteLossError",
-    "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "RunMismatchError", "Stage", "Task", "TrainConfig",
-    "TrainState", "Trainer", "apply_overrides", "batch_sharding", "check_resume",
-    "config_from_record", "config_record", "learning_rate_schedule", "logical_to_mesh", "make_mesh",
-    "make_optimizer", "maybe_initialize_distributed", "paper_stages", "param_shardings",
-    "plot_curves", "read_run_config", "train", "write_run_config",
+    "Batches", "DamagedLogError", "FinalEvaluation", "LOGICAL_RULES", "MetricsLog",
+    "NonFiniteLossError", "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "RunMismatchError", "Stage",
+    "Task", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "batch_sharding",
+    "check_resume", "config_from_record", "config_record", "learning_rate_schedule",
+    "logical_to_mesh", "make_mesh", "make_optimizer", "maybe_initialize_distributed",
+    "paper_stages", "param_shardings", "plot_curves", "read_log", "read_run_config", "train",
+    "write_run_config",
 ]

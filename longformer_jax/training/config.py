@@ -13,6 +13,7 @@ from typing import Any
 
 from etils import epath
 
+from longformer_jax import checkpoint
 from longformer_jax import config as model_configs
 from longformer_jax.config import CharLMConfig, check_windows
 from longformer_jax.io import atomic_write
@@ -31,6 +32,10 @@ class Stage:
   decay_power: with end_learning_rate, a polynomial decay of this power after the warm-up
     instead of the cosine: end + (peak - end) * (1 - t)^power, t from 0 to 1 over the rest of
     the stage (the Longformer MLM schedule is power 3, paper §5).
+  step_changes: kept by the training loop, not set by hand: one (step, steps) pair for each
+    resume that changed `steps` after the stage had started, oldest first (the stage-local step
+    it resumed at, and the stage's steps until then). The steps already taken keep their rates;
+    the decay goes on from the last of them (`schedule.stage_schedule`).
   """
   seq_len: int
   batch_size: int
@@ -40,6 +45,7 @@ class Stage:
   warmup_steps: int = 0
   windows: tuple[int, ...] | None = None
   decay_power: float | None = None
+  step_changes: tuple[tuple[int, int], ...] = ()
 
   def __post_init__(self):
     for name in ("seq_len", "batch_size", "steps"):
@@ -58,6 +64,13 @@ class Stage:
                        f"got {self.warmup_steps}")
     if self.windows is not None:
       object.__setattr__(self, "windows", check_windows(self.windows, len(self.windows)))
+    changes = self.step_changes
+    if not (isinstance(changes, tuple) and all(
+        isinstance(c, tuple) and len(c) == 2 and all(
+            isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1 for v in c)
+        for c in changes)):
+      raise ValueError(f"Stage.step_changes must be (step, steps) pairs of ints >= 1, got "
+                       f"{changes!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,17 +263,26 @@ def config_from_record(record: dict[str, Any], where: str = "run record") -> Tra
   return TrainConfig(model=model, final_eval=final_eval, **record)
 
 
-def write_run_config(workdir: str | os.PathLike, cfg: TrainConfig | dict[str, Any]) -> bool:
+def write_run_config(workdir: str | os.PathLike, cfg: TrainConfig | dict[str, Any], *,
+                     replace: bool = False) -> bool:
   """Writes <workdir>/run_config.json (`config_record(cfg)`, or a record given as a dict) unless
   it exists: a run's stored settings are written once, when it starts, and never rewritten
-  (`training.identity`). Returns whether it wrote the file."""
+  (`training.identity`). replace: write it even so (`train` replaces the record of a failed
+  start, a run that saved no checkpoint). Returns whether it wrote the file."""
   record = cfg if isinstance(cfg, dict) else config_record(cfg)
   workdir = epath.Path(workdir)
-  if (workdir / RUN_CONFIG).exists():
+  if (workdir / RUN_CONFIG).exists() and not replace:
     return False
   workdir.mkdir(parents=True, exist_ok=True)
   atomic_write(workdir / RUN_CONFIG, json.dumps(record, indent=2) + "\n")
   return True
+
+
+def run_started(workdir: str | os.PathLike) -> bool:
+  """Whether the run in `workdir` has started: it has a checkpoint. From then on its
+  run_config.json, and what a command keeps beside it (the MLM tokenizer), are the run's; before
+  that they are a failed start's, which the next start replaces."""
+  return bool(checkpoint.checkpoint_steps(epath.Path(workdir) / checkpoint.CHECKPOINTS))
 
 
 def read_run_record(workdir: str | os.PathLike) -> dict[str, Any]:

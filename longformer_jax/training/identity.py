@@ -1,16 +1,18 @@
 """A run's identity: the settings that determine what it computes, fixed when it starts.
 
 A run is stored as a record: the `TrainConfig` as JSON (`config_record`) plus a fingerprint of
-its training data (`Task.data_identity`). The record is written once, to
-`<workdir>/run_config.json`, when the run starts, and with every checkpoint (the settings that
+its training data (`Task.data_identity`). The record is written to `<workdir>/run_config.json`
+when the run starts (and never rewritten once the run has a checkpoint: a record without any is
+a failed start's, which the next start replaces), and with every checkpoint (the settings that
 produced it). A resume is compared with the record of the checkpoint it continues from, before
 anything is written (`check_resume`); every difference is sorted into one of four kinds:
 
   * free, never reported: how the run is executed, logged, checkpointed and evaluated
     (`FREE`: the mesh, gradient accumulation, log/eval/checkpoint intervals, final_eval, ...);
   * allowed: the number of steps of the stage being trained and of later stages (extending or
-    shortening a run, never below the step reached), stages added or removed after it, and
-    anything of a stage that has not started yet;
+    shortening a run, never below the step reached; the steps taken keep their learning rates
+    and the decay goes on from there, `schedule.continued_stages`), stages added or removed
+    after it, and anything of a stage that has not started yet;
   * on request only (`allow`, the CLI's `--allow-change FIELD`): the optimiser and schedule
     values of stages already started (`ON_REQUEST`), e.g. a lower learning rate after a
     divergence;
@@ -35,6 +37,8 @@ FREE = frozenset({
 # Optimiser settings, and the fields of a started stage, that may change when asked for.
 ON_REQUEST = frozenset({"weight_decay", "clip_norm", "adam_b1", "adam_b2", "adam_eps"})
 ON_REQUEST_STAGE = frozenset({"learning_rate", "end_learning_rate", "warmup_steps"})
+# Stage fields the loop keeps itself (from the run's record), never compared.
+KEPT_BY_LOOP = frozenset({"step_changes"})
 
 
 class RunMismatchError(ValueError):
@@ -97,11 +101,11 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], *, step: int
       (refused if started else accepted).append(f"stages.{i} removed")
     elif not started:
       accepted += [_change(f"stages.{i}.{k}", old[k], value.get(k)) for k in old
-                   if not _same(old[k], value.get(k))]
+                   if k not in KEPT_BY_LOOP and not _same(old[k], value.get(k))]
     else:
       for k in sorted(set(old) | set(value)):
         key, a, b = f"stages.{i}.{k}", old.get(k), value.get(k)
-        if _same(a, b):
+        if k in KEPT_BY_LOOP or _same(a, b):
           continue
         if k == "steps":
           # Stage boundaries already passed stay where they are; the stage reached may end

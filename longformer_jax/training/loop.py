@@ -9,9 +9,13 @@ The loop in one paragraph (`train`):
      newest checkpoint under `<workdir>/checkpoints` that restores and verifies (damaged ones
      are skipped with a warning and kept), before anything is written; its train state (float32
      params and optimizer state, restored straight into their shardings; the step) and metadata
-     (stage, the stage's batch iterator state) continue the run. Without one, parameters are
-     initialised already sharded (jit with out_shardings), never materialised on one device,
-     and run_config.json is written (once: it is never rewritten).
+     (stage, the stage's batch iterator state) continue the run. A stage whose length changed
+     keeps the learning rates of the steps it took (`schedule.continued_stages`). Without a
+     checkpoint, parameters are initialised already sharded (jit with out_shardings), never
+     materialised on one device, and run_config.json is written: once, unless it is a failed
+     start's (a record without any checkpoint), which is replaced with a warning. metrics.jsonl
+     keeps the records up to the step resumed from (a torn last line is dropped with a warning,
+     `metrics.read_log`).
   3. For each stage from the current one: the task's batch iterator for the stage, moved to the
      stage-local step (`load_state`); one jit-compiled step per stage (sequence length and
      windows are static shapes); the state is donated.
@@ -35,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 import os
 import signal
@@ -56,8 +61,9 @@ from longformer_jax import checkpoint
 from longformer_jax.training import identity
 from longformer_jax.training.config import (RUN_CONFIG, Stage, TrainConfig, config_record,
                                              read_run_record, write_run_config)
-from longformer_jax.training.metrics import MetricsLog, plot_curves
-from longformer_jax.training.schedule import learning_rate_schedule, make_optimizer
+from longformer_jax.training.metrics import DamagedLogError, MetricsLog, plot_curves
+from longformer_jax.training.schedule import (continued_stages, learning_rate_schedule,
+                                               make_optimizer)
 from longformer_jax.training.sharding import (batch_sharding, make_mesh, param_shardings,
                                                row_group, seq_axis)
 from longformer_jax.training.task import Task
@@ -395,6 +401,14 @@ def _platforms_include_cpu() -> bool:
   return not platforms or "cpu" in platforms.split(",")
 
 
+def _stored_record(workdir) -> dict[str, Any] | None:
+  """<workdir>/run_config.json's record, None if it is not valid JSON."""
+  try:
+    return read_run_record(workdir)
+  except ValueError:
+    return None
+
+
 class _Preemption:
   """Turns SIGTERM into a flag checked between steps (the default action would kill the process
   in the middle of an async checkpoint)."""
@@ -457,7 +471,8 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
   Returns {"status": "done" | "preempted", "step", "last_loss", and the last validation
   metrics, e.g. "valid_bpc"}.
   Raises `identity.RunMismatchError` (before anything is written), `NonFiniteLossError`,
-  `checkpoint.CheckpointError` (a failed save, or no checkpoint that restores): one-line
+  `checkpoint.CheckpointError` (a failed save, or no checkpoint that restores),
+  `metrics.DamagedLogError` (a line of metrics.jsonl other than its last is damaged): one-line
   messages.
   """
   workdir = epath.Path(workdir)
@@ -469,35 +484,49 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
   checkpoints_dir = workdir / checkpoint.CHECKPOINTS
 
   # 1. Identity and state, before anything is written: the run's settings are those of the
-  # checkpoint resumed from (else of run_config.json, for a run that never saved).
-  record = {**config_record(cfg), "data": task.data_identity(cfg)}
+  # checkpoint resumed from. A run that never saved has none: nothing of it is kept.
+  data_identity = task.data_identity(cfg)
+  record = {**config_record(cfg), "data": data_identity}
   where = f" {workdir}"
-  accepted = []
+  accepted, resumed = [], []
 
   def check_meta(meta):
     accepted[:] = identity.check_resume(meta["run"], record, step=meta["step"],
                                         allow=allow_changes, where=where)
+    resumed[:] = [continued_stages(cfg, meta["run"], meta["step"])]
 
   steps = checkpoint.checkpoint_steps(checkpoints_dir)
-  damaged, batches_state, last_good = [], None, None
+  damaged, batches_state, last_good, failed_start = [], None, None, False
   if steps:
     state, meta = trainer.restore(checkpoints_dir, check_meta=check_meta)
     step, batches_state, last_good = int(meta["step"]), meta["sampler"], int(meta["step"])
     damaged = [s for s in steps if s > step]
+    if resumed[0] != cfg:  # the stages carry the run's step changes: the schedule differs
+      cfg = resumed[0]
+      trainer = Trainer(cfg, trainer.mesh, task=task)
+      record = {**config_record(cfg), "data": data_identity}
   else:
-    if (workdir / RUN_CONFIG).exists():
-      check_meta({"run": read_run_record(workdir), "step": 0})
+    failed_start = ((workdir / RUN_CONFIG).exists()
+                    and _stored_record(workdir) != json.loads(json.dumps(record)))
     state, step = trainer.init_state(None if init_params is None else init_params()), 0
   if is_main:
     if steps:
       print(f"resumed from step {step} (stage {meta['stage']}) in {checkpoints_dir}")
     if accepted:
       print(f"settings changed on resume: {'; '.join(accepted)}")
-    write_run_config(workdir, record)  # only when the run starts: never rewritten
+    if failed_start:
+      print(f"warning: {workdir / RUN_CONFIG} is the record of a run that saved no checkpoint "
+            "(a failed start); replaced by this run's settings", file=sys.stderr, flush=True)
+    # Written when the run starts, never rewritten once the run has a checkpoint.
+    write_run_config(workdir, record, replace=failed_start)
 
-  writer = checkpoint.TrainCheckpoints(checkpoints_dir, keep=cfg.keep_checkpoints,
-                                       async_save=cfg.async_checkpoints, protect=damaged)
   metrics_log = MetricsLog(logdir, step, enabled=is_main)
+  try:
+    writer = checkpoint.TrainCheckpoints(checkpoints_dir, keep=cfg.keep_checkpoints,
+                                         async_save=cfg.async_checkpoints, protect=damaged)
+  except BaseException:
+    metrics_log.close()
+    raise
   summary = {"status": "done", "step": step, "last_loss": None}
   last_saved = step if steps else None
 
@@ -602,8 +631,9 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
       pbar.close()
     metrics_log.close()
     if is_main and metrics_log.path.exists():
+      # A plot that fails (e.g. on the disk that failed a save) must not hide the run's error.
       try:
         plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)
-      except OSError as e:  # e.g. the disk that failed a save: the plot must not hide that
+      except (OSError, DamagedLogError) as e:
         print(f"warning: could not write {logdir / 'curves.png'}: {e}", file=sys.stderr)
     writer.close()

@@ -4,17 +4,56 @@ curves plot."""
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from longformer_jax.io import atomic_write, save_figure
+
+
+class DamagedLogError(RuntimeError):
+  """A line of an append-only JSONL log, other than its last, is not a JSON object; the message
+  names the file and the line."""
+
+
+def read_log(path: Path) -> tuple[list[dict[str, Any]], int]:
+  """(records, torn) of an append-only JSONL log (one JSON object per line; blank lines are
+  skipped).
+
+  torn: the bytes of a torn last line, left out of the records: a last line without its newline
+  (a write cut short, e.g. by a full disk or a kill) or that is not a JSON object; 0 when there
+  is none. Any other line that is not a JSON object raises `DamagedLogError` naming path:line.
+  """
+  data = path.read_bytes()
+  *lines, tail = data.split(b"\n")  # tail: what follows the last newline
+  records, torn = [], len(tail)
+  for number, line in enumerate(lines, 1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line.decode("utf-8"))
+      if not isinstance(record, dict):
+        raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+      if not tail and not any(rest.strip() for rest in lines[number:]):
+        torn = len(data) - sum(len(l) + 1 for l in lines[:number - 1])  # from its start
+        break
+      reason = (f"column {e.colno}: {e.msg}" if isinstance(e, json.JSONDecodeError)
+                else str(e))
+      raise DamagedLogError(
+          f"{path}:{number}: not a JSON record ({reason}); only a torn last line is dropped on "
+          "resume: remove or repair this line") from None
+    records.append(record)
+  return records, torn
 
 
 class MetricsLog:
   """JSONL (always), TensorBoard (when tensorboardX is installed); process 0 only writes.
 
   On resume, records after the restored step are dropped first: the resumed run logs them
-  again, and the curves show each step once.
+  again, and the curves show each step once. A torn last line (`read_log`) is dropped with a
+  one-line warning; a damaged line before it raises `DamagedLogError`.
   """
 
   def __init__(self, workdir: Path, resume_step: int, enabled: bool = True):
@@ -25,9 +64,12 @@ class MetricsLog:
       return
     workdir.mkdir(parents=True, exist_ok=True)
     if self.path.exists():
-      kept = [line for line in self.path.read_text().splitlines()
-              if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-      atomic_write(self.path, "".join(f"{line}\n" for line in kept))
+      records, torn = read_log(self.path)
+      if torn:
+        print(f"warning: {self.path}: dropped a torn last line ({torn} bytes), what a write "
+              "cut short leaves (e.g. on a full disk)", file=sys.stderr, flush=True)
+      kept = [r for r in records if r.get("step", 0) <= resume_step]
+      atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
     self._file = open(self.path, "a", encoding="utf-8")
     try:
       from tensorboardX import SummaryWriter
@@ -61,7 +103,7 @@ def plot_curves(metrics_path: Path, png_path: Path, keys: Sequence[str] = ("trai
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  records = [json.loads(l) for l in metrics_path.read_text().splitlines() if l.strip()]
+  records, _ = read_log(metrics_path)
   fig, ax = plt.subplots(figsize=(7, 4))
   for key in keys:
     points = [(r["step"], r[key]) for r in records if key in r]

@@ -3,28 +3,69 @@ clipping)."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 import jax
 import optax
 
 from longformer_jax.training.config import Stage, TrainConfig
 
 
+def _decay(stage: Stage, init: float, steps: int) -> optax.Schedule:
+  """From `init` to the stage's end_learning_rate over `steps` steps, by its decay (cosine or
+  polynomial); constant at `init` without an end_learning_rate."""
+  end = stage.end_learning_rate
+  if end is None:
+    return optax.constant_schedule(init)
+  if stage.decay_power is not None:
+    return optax.polynomial_schedule(init, end, stage.decay_power, max(steps, 1))
+  return optax.cosine_decay_schedule(init, max(steps, 1), alpha=end / init if init else 0.0)
+
+
 def stage_schedule(stage: Stage) -> optax.Schedule:
   """One stage's rate, from the stage's first step: linear warm-up from 0, then constant or a
-  cosine (or, with `decay_power`, polynomial) decay to `end_learning_rate`."""
-  peak = stage.learning_rate
+  cosine (or, with `decay_power`, polynomial) decay to `end_learning_rate`.
+
+  A stage whose length changed after it started (`Stage.step_changes`) keeps the rates of the
+  steps taken before each change; from the last of them (or from the end of the warm-up, if no
+  decayed step was taken) the decay goes on, from the rate it had reached, to
+  `end_learning_rate` at the stage's new end. The warm-up never moves."""
+  warmup = stage.warmup_steps
+  lengths = [steps for _, steps in stage.step_changes] + [stage.steps]
+  schedule = _decay(stage, stage.learning_rate, lengths[0] - warmup)
+  if warmup:
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(0.0, stage.learning_rate, warmup), schedule], [warmup])
   if stage.end_learning_rate is None:
-    decay = optax.constant_schedule(peak)
-  elif stage.decay_power is not None:
-    decay = optax.polynomial_schedule(peak, stage.end_learning_rate, stage.decay_power,
-                                      max(stage.steps - stage.warmup_steps, 1))
-  else:
-    decay = optax.cosine_decay_schedule(
-        peak, max(stage.steps - stage.warmup_steps, 1), alpha=stage.end_learning_rate / peak)
-  if not stage.warmup_steps:
-    return decay
-  warmup = optax.linear_schedule(0.0, peak, stage.warmup_steps)
-  return optax.join_schedules([warmup, decay], [stage.warmup_steps])
+    return schedule  # constant after the warm-up: nothing to re-base
+  for (at, _), steps in zip(stage.step_changes, lengths[1:]):
+    anchor = max(at - 1, warmup)  # the last step taken keeps its rate too
+    rate = stage.learning_rate  # no step has decayed yet: from the peak
+    if anchor > warmup:
+      # A number of the schedule so far, also while a step that calls this is being traced.
+      with jax.ensure_compile_time_eval():
+        rate = float(schedule(anchor))
+    schedule = optax.join_schedules([schedule, _decay(stage, rate, steps - anchor)], [anchor])
+  return schedule
+
+
+def continued_stages(cfg: TrainConfig, stored: Mapping[str, Any], step: int) -> TrainConfig:
+  """`cfg` resuming at global `step` a run whose record is `stored` (`config_record`): each
+  started stage keeps the run's `step_changes`, plus one for this resume when its `steps`
+  differ from the run's; stages not started have none. (Which changes are allowed at all is
+  `identity.check_resume`'s to say.)"""
+  stages = []
+  for i, (stage, start) in enumerate(zip(cfg.stages, cfg.stage_starts())):
+    old = stored["stages"][i] if i < len(stored["stages"]) else None
+    changes = ()
+    if old is not None and start < step:
+      changes = tuple(tuple(c) for c in old.get("step_changes", ()))
+      if old["steps"] != stage.steps:
+        changes += ((step - start, old["steps"]),)
+    stages.append(dataclasses.replace(stage, step_changes=changes))
+  return dataclasses.replace(cfg, stages=tuple(stages))
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:

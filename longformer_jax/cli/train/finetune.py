@@ -16,7 +16,8 @@ Settings (`longformer_jax.cli.driver`): `--preset NAME` or `--config FILE` (whos
 returns settings by flag name or --set path, e.g. {"task": "qa", "model": "tiny", "steps": 20}),
 then the flags, then `--set path=value` (a TrainConfig field or a `FinetuneOptions` one).
 Training: AdamW, --steps at --learning-rate, linear warm-up over the first 10% and linear decay
-to 0, rows of --max-length tokens (default: the model's positions); rerunning resumes.
+to 0, rows of --max-length tokens (default: the model's positions); rerunning resumes, and more
+--steps extend a run: its warm-up stays, and the decay goes on from the last step taken.
 
 Writes into --workdir: checkpoints/, run_config.json, metrics.jsonl, curves.png,
 predictions_<split>.jsonl and results.json, each file written whole or not at all. Exit status:
@@ -99,7 +100,8 @@ class Finetune(TrainCommand):
     self.source = finetune.load_source(args.model, self.tokenizer, options=options)
     return finetune.new_run_config(
         self.source, steps=args.steps, batch_size=args.batch_size,
-        learning_rate=args.learning_rate, max_length=args.max_length, seed=args.seed)
+        learning_rate=args.learning_rate, max_length=args.max_length, seed=args.seed,
+        warmup_steps=finetune.started_warmup(workdir))
 
   def finish_config(self, args, cfg, options, workdir):
     from longformer_jax.data.tokenizer import check_tokenizer

@@ -17,9 +17,10 @@ Text (`--data`, a shorthand for `--set dataset=`; default the preset's dataset):
 enwik8_sample, text8_sample, tfds:NAME, a text file or a directory of *.txt files (split 90/5/5
 by bytes); every non-empty line is a document. Tokenizer (`--tokenizer`: a tokenizer.json or a
 directory with it or with vocab.json + merges.txt): default the workdir's tokenizer.json (a
-resumed run), else --init's directory's, else a byte-level BPE of the model's vocabulary size
-trained on the training split. It is saved as <workdir>/tokenizer.json. Token ids are cached
-under <data_dir>/mlm_tokens (or ~/.cache/longformer_jax/mlm_tokens).
+resumed run; a failed start's, without a checkpoint, is replaced), else --init's directory's,
+else a byte-level BPE of the model's vocabulary size trained on the training split. It is saved
+as <workdir>/tokenizer.json. Token ids are cached under <data_dir>/mlm_tokens (or
+~/.cache/longformer_jax/mlm_tokens).
 
 Any setting can be overridden with `--set path=value`; `--print-config` shows the result.
 Rerunning the same command resumes from the newest checkpoint that verifies, and refuses to if
@@ -87,6 +88,7 @@ class MLM(TrainCommand):
     from longformer_jax.io import atomic_write
     from longformer_jax.tasks import mlm
     from longformer_jax.training import sources
+    from longformer_jax.training.config import run_started
     init_params = init_identity = None
     if args.init is not None:
       params = nnx.state(self._init_model, nnx.Param)
@@ -97,7 +99,8 @@ class MLM(TrainCommand):
     tokenizer = _tokenizer(args, cfg, workdir)
     task = mlm.MLMTask(tokenizer, init_identity=init_identity)
     task.check(cfg)
-    if not (workdir / mlm.TOKENIZER_FILE).exists() and jax.process_index() == 0:
+    # Kept from the run's start on; a failed start's (no checkpoint) is replaced.
+    if not run_started(workdir) and jax.process_index() == 0:
       workdir.mkdir(parents=True, exist_ok=True)
       atomic_write(workdir / mlm.TOKENIZER_FILE, tokenizer.to_str(pretty=True))
     return Plan(task, {"preset": args.preset, "config": args.config, "init": args.init,
@@ -106,14 +109,16 @@ class MLM(TrainCommand):
 
 
 def _tokenizer(args, cfg, workdir):
-  """--tokenizer, else the workdir's, else --init's directory's, else a BPE trained here."""
+  """--tokenizer, else the workdir's (a started run's), else --init's directory's, else a BPE
+  trained here."""
   from longformer_jax.data import tokenized
   from longformer_jax.data.tokenizer import load_tokenizer
   from longformer_jax.tasks import mlm
+  from longformer_jax.training.config import run_started
   if args.tokenizer is not None:
     return load_tokenizer(args.tokenizer)
   saved = workdir / mlm.TOKENIZER_FILE
-  if saved.exists():
+  if saved.exists() and run_started(workdir):
     return load_tokenizer(saved)
   if args.init is not None:
     init = Path(args.init)
