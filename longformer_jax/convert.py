@@ -40,6 +40,7 @@ from flax import nnx
 
 from longformer_jax import led, modeling
 from longformer_jax.config import LEDConfig, LongformerConfig
+from longformer_jax.io import read_json
 from longformer_jax.modeling import LongformerModel
 
 # HF LongformerConfig defaults, for config.json files that leave fields out.
@@ -218,8 +219,7 @@ def _read_dir(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
   config_file = os.path.join(path, "config.json")
   if not os.path.isfile(config_file):
     raise FileNotFoundError(f"{path!r} has no config.json; expected an HF model directory")
-  with open(config_file) as f:
-    config = json.load(f)
+  config = read_json(config_file)
   single = os.path.join(path, "model.safetensors")
   index = os.path.join(path, "model.safetensors.index.json")
   torch_bin = os.path.join(path, "pytorch_model.bin")
@@ -228,16 +228,25 @@ def _read_dir(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     if os.path.isfile(single):
       files = [single]
     else:
-      with open(index) as f:
-        files = sorted({os.path.join(path, s) for s in json.load(f)["weight_map"].values()})
+      files = sorted({os.path.join(path, s) for s in read_json(index)["weight_map"].values()})
     weights = {}
     for file in files:
-      weights.update(load_file(file))
+      try:
+        weights.update(load_file(file))
+      except Exception as e:  # safetensors' SafetensorError (truncated, not safetensors), OSError
+        raise ValueError(f"{file} is not a readable safetensors file (truncated or damaged?): "
+                         f"{e}") from None
     weights = {k: np.asarray(v, np.float32) for k, v in weights.items()
                if np.issubdtype(v.dtype, np.floating)}
   elif os.path.isfile(torch_bin):
+    import pickle
     import torch
-    weights = _torch_to_numpy(torch.load(torch_bin, map_location="cpu", weights_only=True))
+    try:
+      state_dict = torch.load(torch_bin, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
+      raise ValueError(f"{torch_bin} is not a readable PyTorch checkpoint (truncated or "
+                       f"damaged?): {e}") from None
+    weights = _torch_to_numpy(state_dict)
   else:
     raise FileNotFoundError(f"{path!r} holds neither model.safetensors (or its index) nor "
                             f"pytorch_model.bin")

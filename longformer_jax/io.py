@@ -1,8 +1,10 @@
-"""File writing shared by the training, evaluation and entry-point code."""
+"""File reading and writing shared by the training, evaluation and entry-point code."""
 
 from __future__ import annotations
 
+import json
 import os
+from typing import Any
 
 from etils import epath
 
@@ -25,6 +27,15 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
     except OSError:
       pass
     raise
+
+
+def read_json(path: str | os.PathLike) -> Any:
+  """The JSON value of a file (local or `epath`); ValueError naming the file when it is not
+  JSON (e.g. truncated), FileNotFoundError when it does not exist."""
+  try:
+    return json.loads(epath.Path(path).read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{path} is not valid JSON ({e})") from None
 
 
 def save_figure(fig, path: str | os.PathLike, *, dpi: int = 120) -> None:

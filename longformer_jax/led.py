@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import flax.struct
 import jax
@@ -625,39 +626,12 @@ class LEDForConditionalGeneration(HFCheckpointMixin, nnx.Module):
     for greedy decoding, the longest best hypothesis for beam search).
     """
     c = self.config
-    search.check_int("max_new_tokens", max_new_tokens, 1)
-    search.check_int("num_beams", num_beams, 1)
-    if max_new_tokens > c.max_decoder_position_embeddings:
-      raise ValueError(
-          f"max_new_tokens={max_new_tokens} exceeds the decoder's position table "
-          f"(max_decoder_position_embeddings={c.max_decoder_position_embeddings})")
-    if isinstance(min_length, int) and min_length > 1 + max_new_tokens:
-      raise ValueError(f"min_length={min_length} can never be reached: outputs hold at most "
-                       f"1 + max_new_tokens={1 + max_new_tokens} tokens")
-    for name, value in (("forced_bos_token_id", forced_bos_token_id),
-                        ("forced_eos_token_id", forced_eos_token_id)):
-      if value is not None and not (isinstance(value, int) and 0 <= value < c.vocab_size):
-        raise ValueError(f"{name}={value!r} is not a token id of the vocabulary "
-                         f"(vocab_size={c.vocab_size})")
-    if do_sample:
-      if num_beams > 1:
-        raise ValueError(f"do_sample=True with num_beams={num_beams}: beam sampling is not "
-                         f"supported (sample with num_beams=1, or search with do_sample=False)")
-      if not (isinstance(temperature, (int, float)) and temperature > 0):
-        raise ValueError(f"temperature must be > 0 with do_sample=True, got {temperature!r} "
-                         f"(do_sample=False is greedy)")
-      if top_k is not None and isinstance(top_k, int) and top_k > c.vocab_size:
-        raise ValueError(f"top_k={top_k} exceeds the vocabulary (vocab_size={c.vocab_size})")
-      sampling = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    else:
-      sampling = SamplingConfig(temperature=0.0)  # greedy: argmax of the processed logits
-    settings = _GenerateSettings(
-        search_config=search.SearchConfig(
-            max_length=1 + max_new_tokens, eos_token_id=c.eos_token_id,
-            pad_token_id=c.pad_token_id, min_length=min_length,
-            no_repeat_ngram_size=no_repeat_ngram_size, forced_bos_token_id=forced_bos_token_id,
-            forced_eos_token_id=forced_eos_token_id),
-        beams=search.BeamConfig(num_beams, length_penalty, early_stopping), sampling=sampling)
+    settings = generate_settings(
+        c, max_new_tokens=max_new_tokens, num_beams=num_beams, do_sample=do_sample,
+        temperature=temperature, top_k=top_k, top_p=top_p, length_penalty=length_penalty,
+        early_stopping=early_stopping, no_repeat_ngram_size=no_repeat_ngram_size,
+        min_length=min_length, forced_bos_token_id=forced_bos_token_id,
+        forced_eos_token_id=forced_eos_token_id, seed=seed)
     ids_BxN, mask_BxN, global_BxN = _encoder_inputs(c, input_ids, attention_mask,
                                                     global_attention_mask)
     if global_BxN is None:
@@ -677,6 +651,61 @@ class _GenerateSettings:
   search_config: search.SearchConfig
   beams: search.BeamConfig
   sampling: SamplingConfig
+
+
+def generate_settings(c: LEDConfig, **settings) -> _GenerateSettings:
+  """The static settings of `LEDForConditionalGeneration.generate` for a model of config `c`:
+  `settings` are its keyword arguments after the inputs (its defaults for those left out),
+  checked without any input, so that a run's generation settings are refused when the run is
+  configured rather than after training. Raises ValueError (or TypeError) naming the first
+  setting `generate` would refuse, or the names it does not take."""
+  defaults = {name: p.default for name, p in inspect.signature(
+      LEDForConditionalGeneration.generate).parameters.items() if p.kind is p.KEYWORD_ONLY}
+  unknown = sorted(set(settings) - set(defaults))
+  if unknown:
+    raise ValueError(f"unknown generation settings {unknown}; known: {list(defaults)}")
+  s = {**defaults, **settings}
+  max_new_tokens, num_beams, min_length = s["max_new_tokens"], s["num_beams"], s["min_length"]
+  do_sample, top_k = s["do_sample"], s["top_k"]
+  if not isinstance(do_sample, bool):
+    raise TypeError(f"do_sample must be True or False, got {do_sample!r}")
+  if not isinstance(s["seed"], int) or isinstance(s["seed"], bool):
+    raise TypeError(f"seed must be an int, got {s['seed']!r}")
+  search.check_int("max_new_tokens", max_new_tokens, 1)
+  search.check_int("num_beams", num_beams, 1)
+  if max_new_tokens > c.max_decoder_position_embeddings:
+    raise ValueError(
+        f"max_new_tokens={max_new_tokens} exceeds the decoder's position table "
+        f"(max_decoder_position_embeddings={c.max_decoder_position_embeddings})")
+  if isinstance(min_length, int) and min_length > 1 + max_new_tokens:
+    raise ValueError(f"min_length={min_length} can never be reached: outputs hold at most "
+                     f"1 + max_new_tokens={1 + max_new_tokens} tokens")
+  for name in ("forced_bos_token_id", "forced_eos_token_id"):
+    value = s[name]
+    if value is not None and not (isinstance(value, int) and 0 <= value < c.vocab_size):
+      raise ValueError(f"{name}={value!r} is not a token id of the vocabulary "
+                       f"(vocab_size={c.vocab_size})")
+  if do_sample:
+    if num_beams > 1:
+      raise ValueError(f"do_sample=True with num_beams={num_beams}: beam sampling is not "
+                       f"supported (sample with num_beams=1, or search with do_sample=False)")
+    if not (isinstance(s["temperature"], (int, float)) and s["temperature"] > 0):
+      raise ValueError(f"temperature must be > 0 with do_sample=True, got "
+                       f"{s['temperature']!r} (do_sample=False is greedy)")
+    if top_k is not None and isinstance(top_k, int) and top_k > c.vocab_size:
+      raise ValueError(f"top_k={top_k} exceeds the vocabulary (vocab_size={c.vocab_size})")
+    sampling = SamplingConfig(temperature=s["temperature"], top_k=top_k, top_p=s["top_p"])
+  else:
+    sampling = SamplingConfig(temperature=0.0)  # greedy: argmax of the processed logits
+  return _GenerateSettings(
+      search_config=search.SearchConfig(
+          max_length=1 + max_new_tokens, eos_token_id=c.eos_token_id,
+          pad_token_id=c.pad_token_id, min_length=min_length,
+          no_repeat_ngram_size=s["no_repeat_ngram_size"],
+          forced_bos_token_id=s["forced_bos_token_id"],
+          forced_eos_token_id=s["forced_eos_token_id"]),
+      beams=search.BeamConfig(num_beams, s["length_penalty"], s["early_stopping"]),
+      sampling=sampling)
 
 
 def _merged_for_inference(graphdef, state):
@@ -757,5 +786,5 @@ __all__ = [
     "LEDModel", "LEDForConditionalGeneration", "LEDForQuestionAnswering", "LEDEncoderOutput",
     "LEDDecoderOutput", "LEDDecoderCache", "LEDLayerCache", "LEDSeq2SeqModelOutput",
     "LEDSeq2SeqLMOutput", "LEDSeq2SeqQuestionAnsweringOutput", "MODEL_CLASSES",
-    "shift_tokens_right",
+    "generate_settings", "shift_tokens_right",
 ]

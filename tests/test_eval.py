@@ -99,11 +99,15 @@ def test_bad_arguments_name_the_values():
     evaluate_bpc(model, data[:1], context=16, stride=4)
 
 
-def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, monkeypatch):
-  """eval.bpc: an unwritable --output fails before any evaluation; a NaN result exits 1 and
-  writes nothing (a checkpoint with broken weights must not look like a result)."""
+def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, monkeypatch,
+                                                                      capsys):
+  """eval.bpc: an unwritable --output is refused (one line, status 2) before any evaluation; a
+  NaN result exits 1 and writes nothing (a checkpoint with broken weights must not look like a
+  result)."""
   from longformer_jax.cli.eval import bpc
+  from longformer_jax.training import write_run_config
   import longformer_jax.tasks.charlm as evaluation
+  write_run_config(tmp_path / "run", evaluation.char_tiny())  # the run's record, no checkpoint
   text = tmp_path / "text.txt"
   text.write_bytes(b"some bytes to score")
   calls = []
@@ -118,9 +122,11 @@ def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, 
   blocker = tmp_path / "not_a_directory"
   blocker.write_text("")
   value = 1.5
-  with pytest.raises(OSError, match="cannot write the output .*not_a_directory"):
+  with pytest.raises(SystemExit) as exit_info:
     bpc.main(args + ["--output", str(blocker / "out.json")])
-  assert not calls
+  assert exit_info.value.code == 2 and not calls
+  assert capsys.readouterr().err == (f"eval.bpc: error: cannot write the output "
+                                     f"{blocker / 'out.json'}: {blocker} is a file\n")
   out = tmp_path / "out.json"
   assert bpc.main(args + ["--output", str(out)]) == 0 and out.exists() and calls == [19]
   out.unlink()

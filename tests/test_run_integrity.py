@@ -30,6 +30,7 @@ import pytest
 import orbax.checkpoint as ocp
 
 from longformer_jax import checkpoint
+from longformer_jax.cli.driver import LOCK_FILE
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_run
 from longformer_jax.training import (RunMismatchError, Trainer, check_resume,
                                      config_from_record, config_record, read_run_config)
@@ -105,8 +106,10 @@ def _meta(workdir, step) -> dict:
 
 
 def _snapshot(path) -> dict[str, tuple[int, int]]:
+  """(size, mtime) of every file under `path` but the workdir lock, which every job takes (and
+  writes its pid into), whether its run is refused or not."""
   return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
-          for p in Path(path).rglob("*") if p.is_file()}
+          for p in Path(path).rglob("*") if p.is_file() and p.name != LOCK_FILE}
 
 
 @pytest.fixture(scope="module")

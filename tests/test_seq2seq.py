@@ -169,6 +169,8 @@ def test_bad_jsonl_line_is_a_one_line_error(files, tmp_path, capsys):
     ('["a", "b"]', 1, None, "must be a JSON object, got list"),
     ('{"source": "a"}', 1, "target", "is missing"),
     ('{"source": "a", "target": "  "}', 1, "target", "is empty"),
+    ('{"source": "a \\ud83d\\ude00", "target": "b \\udc00"}', 1, "target",
+     r"holds a lone surrogate '\\udc00' \(half of a UTF-16 pair, not text\)"),
     ('{"source": "a", "target": "b", "id": true}', 1, "id", "must be a string or an integer"),
     ('{"source": "a", "target": "b", "id": 7}\n\n{"source": "c", "target": "d", "id": 7}', 3,
      "id", "repeats 7 of line 1"),

@@ -95,13 +95,18 @@ GOLDEN_DROPOUT = [5.559170246124268, 1.2821565866470337, 5.561490058898926, 1.46
                   5.309150695800781, 1.140488624572754]
 
 
-def test_loss_falls_on_a_tiny_corpus(tmp_path):
+def test_loss_falls_on_a_tiny_corpus(tmp_path, capsys):
   corpus = np.frombuffer(b"the quick brown fox jumps over the lazy dog. " * 100, np.uint8)
   cfg = _config(stages=(Stage(seq_len=32, batch_size=8, steps=40, learning_rate=1e-2,
-                              warmup_steps=5),), checkpoint_every=1000)
+                              warmup_steps=5),), checkpoint_every=25)
   _, losses = _run(cfg, tmp_path, corpus)
   assert losses[1] > 5.0           # ~ln 256 at initialisation
   assert losses[40] < 0.5 * losses[1], losses
+  # Without a progress bar, one line per checkpoint (and evaluation) shows progress in a log.
+  lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+  assert [line.split(":")[0] for line in lines] == ["step 25/40 (stage 0)", "step 40/40 (stage 0)"]
+  assert lines[1].startswith(f"step 40/40 (stage 0): loss {losses[40]:.4f}, train_bpc ")
+  assert lines[1].endswith(" tokens/s, saved step 40"), lines
 
 
 def test_resume_after_sigterm_equals_uninterrupted(tmp_path):

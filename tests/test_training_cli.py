@@ -5,11 +5,13 @@ reject bad ones, the distributed flags reach `jax.distributed.initialize`."""
 import argparse
 import importlib
 import json
+import os
 import tomllib
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from longformer_jax.training import TrainConfig
@@ -406,3 +408,236 @@ def test_eval_bpc_presets(capsys, tmp_path):
   printed = _printed("longformer-eval-bpc", ["--config", config, "--file", "a.txt"], capsys)
   assert (printed["dataset"], printed["file"]) == (None, "a.txt")
   assert "needed" in _usage_error("longformer-eval-bpc", ["--preset", "quick"], capsys)
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad command lines, settings and inputs: one line, refused before any work
+
+
+def _refused(command: str, argv: list[str], capsys, status: int = 2) -> str:
+  """The one stderr line `command` writes for `argv`, ending with `status` (2: a `<prog>:
+  error:` line; 1: an `error:` line)."""
+  _, main = _entry_point(_scripts()[command])
+  capsys.readouterr()
+  try:
+    code = main(argv)
+  except SystemExit as e:
+    code = e.code
+  assert code == status
+  err = capsys.readouterr().err
+  prog = command.removeprefix("longformer-").replace("-", ".")
+  assert err.count("\n") == 1, err
+  assert err.startswith(f"{prog}: error: " if status == 2 else "error: "), err
+  return err
+
+
+def _char_run(tmp_path: Path) -> Path:
+  """A workdir holding a char-LM run's record only (what the eval commands read first)."""
+  from longformer_jax.tasks import charlm
+  from longformer_jax.training import write_run_config
+  workdir = tmp_path / "char_run"
+  write_run_config(workdir, charlm.char_tiny())
+  return workdir
+
+
+def _charlm_argv(tmp_path: Path, workdir: Path, *extra: str) -> list[str]:
+  """A train.charlm command line of `testing.CHARLM_RUN_CONFIG` (seconds of training, should a
+  check that ought to refuse it let it through)."""
+  import testing
+  config, data = tmp_path / "charlm_config.py", tmp_path / "data.bin"
+  config.write_text(testing.CHARLM_RUN_CONFIG)
+  data.write_bytes(bytes(range(256)) * 80)
+  return ["--config", str(config), "--data-file", str(data), "--workdir", str(workdir),
+          "--no-progress", *extra]
+
+
+def test_text_that_is_not_text_names_the_file_and_line(capsys, tmp_path):
+  # A JSON escape of half a UTF-16 pair: valid JSON, no text (a whole pair is fine).
+  pairs = _toy_pairs(tmp_path)
+  pairs.write_text('{"source": "a \\ud83d\\ude00", "target": "b"}\n'
+                   '{"source": "a \\ud800 b", "target": "b"}\n')
+  argv = ["--model", "tiny", "--tokenizer", str(tmp_path / "tokenizer.json"), "--train",
+          str(pairs), "--max-source-length", "16", "--max-target-length", "8", "--workdir",
+          str(tmp_path / "run")]
+  err = _refused("longformer-train-seq2seq", argv, capsys)
+  assert f"{pairs}:2: field 'source' holds a lone surrogate '\\ud800'" in err
+  # A corpus byte that is not UTF-8.
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_bytes(b"good line\nbad \xff line\n")
+  err = _refused("longformer-train-mlm", ["--preset", "mlm_tiny", "--data", str(corpus),
+                                          "--workdir", str(tmp_path / "run")], capsys)
+  assert f"{corpus}:2: is not UTF-8 (byte 5 of the line: b'\\xff')" in err
+  assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("source, message", [
+    ("missing.txt", "text source '{path}' is not a dataset name"),
+    ("empty.txt", "text source '{path}' holds no text (0 bytes)"),
+    ("blank.txt", "text source '{path}' holds no text (3 bytes)"),
+    ("empty_dir", "text directory '{path}' holds no *.txt files"),
+])
+def test_mlm_data_that_is_missing_or_empty_is_refused_before_any_work(source, message, capsys,
+                                                                      tmp_path):
+  path = tmp_path / source
+  if source == "empty.txt":
+    path.write_bytes(b"")
+  elif source == "blank.txt":
+    path.write_bytes(b" \n\n")
+  elif source == "empty_dir":
+    path.mkdir()
+  err = _refused("longformer-train-mlm", ["--preset", "mlm_tiny", "--data", str(path),
+                                          "--workdir", str(tmp_path / "run")], capsys)
+  assert message.format(path=path) in err
+  assert not (tmp_path / "run").exists()  # no tokenizer trained or written, no workdir left
+
+
+@pytest.mark.parametrize("command, flag", [("longformer-train-mlm", "--init"),
+                                           ("longformer-train-finetune", "--model")])
+def test_a_truncated_safetensors_file_is_one_line(command, flag, capsys, tmp_path):
+  from safetensors.numpy import save_file
+  model = tmp_path / "roberta"
+  model.mkdir()
+  (model / "config.json").write_text(json.dumps(
+      {"model_type": "roberta", "vocab_size": 50, "hidden_size": 16, "num_hidden_layers": 1,
+       "num_attention_heads": 2, "intermediate_size": 32, "max_position_embeddings": 18}))
+  save_file({"w": np.zeros((64, 64), np.float32)}, str(model / "model.safetensors"))
+  whole = (model / "model.safetensors").read_bytes()
+  (model / "model.safetensors").write_bytes(whole[:len(whole) // 2])
+  records = tmp_path / "records.jsonl"
+  records.write_text(json.dumps({"input_ids": [5, 6], "label": 0}) + "\n")
+  argv = {"longformer-train-mlm": ["--preset", "mlm_tiny"],
+          "longformer-train-finetune": ["--task", "classification", "--train", str(records)],
+          }[command] + [flag, str(model), "--workdir", str(tmp_path / "run")]
+  err = _refused(command, argv, capsys)
+  assert f"{model / 'model.safetensors'} is not a readable safetensors file" in err
+
+
+def test_a_workdir_that_is_a_file_or_cannot_be_written_is_refused(capsys, tmp_path):
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  err = _refused("longformer-train-charlm", _charlm_argv(tmp_path, a_file), capsys)
+  assert f"--workdir {a_file} is a file, not a directory" in err
+  err = _refused("longformer-train-charlm", _charlm_argv(tmp_path, a_file / "run"), capsys)
+  assert f"--workdir {a_file / 'run'} cannot be written" in err
+  read_only = tmp_path / "read_only"
+  read_only.mkdir(mode=0o555)
+  if os.access(read_only, os.W_OK):
+    pytest.skip("this user (root) writes into a read-only directory")
+  err = _refused("longformer-train-charlm", _charlm_argv(tmp_path, read_only), capsys)
+  assert f"--workdir {read_only} cannot be written: Permission denied" in err
+
+
+def test_a_mesh_that_does_not_fit_the_devices_is_refused_before_any_work(capsys, tmp_path):
+  devices = len(jax.devices())
+  argv = _charlm_argv(tmp_path, tmp_path / "run", "--set", f"mesh_shape=[{devices + 1}, 1]")
+  err = _refused("longformer-train-charlm", argv, capsys)
+  assert (f"mesh_shape ({devices + 1}, 1) -> (data={devices + 1}, fsdp=1, seq=1) does not use "
+          f"the {devices} devices") in err
+  assert not (tmp_path / "run").exists()
+
+
+def test_a_second_job_on_a_workdir_is_refused_while_the_first_holds_it(capsys, tmp_path):
+  import fcntl
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  # The first job: a lock on the workdir's lock file, as `workdir_lock` takes it.
+  with open(workdir / ".lock", "w") as held:
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held.write("4242\n")
+    held.flush()
+    err = _refused("longformer-train-charlm", _charlm_argv(tmp_path, workdir), capsys, status=1)
+  assert f"--workdir {workdir} is in use by another job (pid 4242)" in err
+  assert [p.name for p in workdir.iterdir()] == [".lock"]  # nothing else was written
+
+
+@pytest.mark.parametrize("command, argv, message", [
+    ("longformer-train-seq2seq", ["--set", "final_eval.num_beams=0"],
+     "final_eval: num_beams must be an int >= 1, got 0"),
+    ("longformer-train-seq2seq", ["--set", "final_eval.beams=2"],
+     "final_eval has unknown settings ['beams']"),
+    ("longformer-train-charlm", ["--set", "final_eval={'context': 64, 'stride': 128}"],
+     "final_eval: stride must be in [1, context=64], got 128"),
+    ("longformer-train-mlm", ["--set", "final_eval.max_tokens=-5"],
+     "final_eval: max_tokens must be >= 1, got -5"),
+    ("longformer-train-mlm", ["--set", "final_eval.split=dev"],
+     "final_eval.split must be one of ('train', 'validation', 'test'), got 'dev'"),
+])
+def test_final_eval_settings_are_checked_before_training(command, argv, message, capsys,
+                                                        tmp_path):
+  workdir = tmp_path / "run"
+  base = {
+      "longformer-train-seq2seq": lambda: [
+          "--model", "tiny", "--tokenizer", str(tmp_path / "tokenizer.json"), "--train",
+          str(_toy_pairs(tmp_path)), "--max-source-length", "16", "--max-target-length", "8",
+          "--workdir", str(workdir)],
+      "longformer-train-charlm": lambda: _charlm_argv(tmp_path, workdir),
+      "longformer-train-mlm": lambda: ["--preset", "mlm_tiny", "--workdir", str(workdir)],
+  }[command]()
+  assert message in _refused(command, base + argv, capsys)
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--context", "0"], "argument --context: must be >= 1, got 0"),
+    (["--stride", "0"], "argument --stride: must be >= 1, got 0"),
+    (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
+    (["--max-bytes", "-5"], "argument --max-bytes: must be >= 1, got -5"),
+    (["--context", "64", "--stride", "128"], "stride must be in [1, context=64], got 128"),
+    (["--stride", "64", "--score-last", "32"], "score_last=32 differs from stride=64"),
+    (["--file", "{tmp}/missing.txt"], "--file {tmp}/missing.txt: no such file"),
+    (["--file", "{tmp}/one_byte.txt"], "{tmp}/one_byte.txt holds 1 byte(s) to score"),
+    (["--file", "{tmp}/one_byte.txt", "--output", "{tmp}/one_byte.txt/x.json"],
+     "cannot write the output {tmp}/one_byte.txt/x.json"),
+])
+def test_eval_bpc_refuses_bad_settings_and_inputs_before_evaluating(argv, message, capsys,
+                                                                   tmp_path):
+  (tmp_path / "one_byte.txt").write_bytes(b"a")
+  if "--output" in argv:
+    (tmp_path / "one_byte.txt").write_bytes(b"abc")
+  argv = [a.format(tmp=tmp_path) for a in argv]
+  err = _refused("longformer-eval-bpc", ["--workdir", str(_char_run(tmp_path)), *argv], capsys)
+  assert message.format(tmp=tmp_path) in err
+
+
+def test_eval_mlm_refuses_a_negative_max_tokens(capsys, tmp_path):
+  err = _refused("longformer-eval-mlm", ["--workdir", str(tmp_path), "--max-tokens", "-5"],
+                 capsys)
+  assert "argument --max-tokens: must be >= 1, got -5" in err
+
+
+def test_eval_sample_refuses_a_prompt_that_is_not_text(capsys, tmp_path):
+  err = _refused("longformer-eval-sample", ["--workdir", str(tmp_path), "--prompt", "a\ud800"],
+                 capsys)
+  assert "--prompt holds '\\ud800' at character 1, a lone surrogate" in err
+
+
+_RECORDS = {
+    "mlm": {"model_config_class": "LongformerConfig", "data": {"mask_rate": 0.15}},
+    "finetune": {"model_config_class": "LongformerConfig", "data": {"task": "qa"}},
+    "seq2seq": {"model_config_class": "LEDConfig", "data": {}},
+}
+
+
+@pytest.mark.parametrize("command, argv, kind, message", [
+    ("longformer-eval-mlm", [], "finetune",
+     "{run} is a fine-tuning run (train.finetune --task qa), not an MLM run; score it with "
+     "python -m train.finetune --eval-only --task qa --workdir {run}"),
+    ("longformer-eval-bpc", [], "mlm",
+     "{run} is an MLM run (train.mlm), not a char-LM run; score it with python -m eval.mlm "
+     "--workdir {run}"),
+    ("longformer-eval-sample", ["--prompt", "a"], "seq2seq",
+     "{run} is a seq2seq run (train.seq2seq), not a char-LM run; score it with python -m "
+     "eval.export --workdir {run}"),
+    ("longformer-eval-mlm", [], "char",
+     "{run} is a char-LM run (train.charlm), not an MLM run; score it with python -m eval.bpc"),
+])
+def test_an_eval_command_on_another_kind_of_run_says_what_the_run_is(command, argv, kind,
+                                                                    message, capsys, tmp_path):
+  if kind == "char":
+    run = _char_run(tmp_path)
+  else:
+    run = tmp_path / kind
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps(_RECORDS[kind]))
+  err = _refused(command, ["--workdir", str(run), *argv], capsys)
+  assert message.format(run=run) in err

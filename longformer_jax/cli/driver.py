@@ -23,9 +23,11 @@ A config file may start from a preset and change it:
 
 `--print-config` prints the resolved settings as JSON ("config", "options", and "flags": the
 command's own flags) and exits 0, writing nothing; `--help` lists every setting with its type
-and default. Then the run: the mesh, `training.train` with the task, the task's final
-evaluation (`Task.final_evaluation`) and results.json, each file written whole or not at all by
-process 0.
+and default. Then, before any training: the mesh (it must fit the devices), the workdir (it must
+be a directory that can be written; one job at a time, `workdir_lock`) and the command's inputs
+(`TrainCommand.plan`), each refused in one line (status 2, or 1 for a workdir in use). Then the
+run: `training.train` with the task, the task's final evaluation (`Task.final_evaluation`) and
+results.json, each file written whole or not at all by process 0.
 
 The eval commands (`parse_settings`) take theirs in the same order. Their settings are their
 flags, so a config file or preset (`--preset` where the command has presets: eval.bpc's "paper"
@@ -39,8 +41,9 @@ Exit status, the same for every command (eval commands too):
   0   done
   1   the run failed: one `error: ...` line on stderr (settings that differ from the run's, a
       diverging loss, a failed save, no checkpoint that restores, a damaged line in
-      metrics.jsonl)
-  2   a bad command line, setting or input: one `<prog>: error: ...` line naming it
+      metrics.jsonl, a workdir in use by another job)
+  2   a bad command line, setting or input: one `<prog>: error: ...` line naming it, before any
+      training or evaluation starts
   75  preempted (SIGTERM) after saving its step: rerun the same command to resume
 """
 
@@ -48,9 +51,11 @@ from __future__ import annotations
 
 import abc
 import argparse
+import contextlib
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import time
 import types
@@ -279,6 +284,65 @@ def write_files(workdir, files: dict[str, str]) -> None:
   for name, content in files.items():
     atomic_write(workdir / name, content)
   print(f"wrote {', '.join(files)} in {workdir}")
+
+
+# The workdir's lock file (`workdir_lock`).
+LOCK_FILE = ".lock"
+
+
+class WorkdirInUseError(RuntimeError):
+  """Another job holds the workdir's lock (`workdir_lock`)."""
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir):
+  """Holds the workdir for one job for the block: process 0 takes an exclusive `fcntl.flock` on
+  <workdir>/.lock (made with the workdir when missing), so two jobs never train into one
+  workdir. The lock belongs to the open file, so the OS releases it when the job ends, however
+  it ends: a killed job leaves no stale lock. A remote workdir (gs://...) is not locked (flock
+  needs a local file system).
+
+  Raises ValueError naming the workdir when it is a file or cannot be created or written, and
+  `WorkdirInUseError` when another job holds it. A workdir this call created is removed again
+  when the block fails before anything but the lock file is in it (a refused input leaves no
+  trace)."""
+  import fcntl
+  import jax
+  if "://" in str(workdir) or jax.process_index() != 0:
+    yield
+    return
+  path = Path(os.fspath(workdir))
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"--workdir {workdir} is a file, not a directory")
+  created = not path.exists()
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    lock = open(path / LOCK_FILE, "a+")
+  except OSError as e:
+    raise ValueError(f"--workdir {workdir} cannot be written: {e.strerror or e}") from None
+  try:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      lock.seek(0)
+      holder = lock.read().strip()
+      raise WorkdirInUseError(
+          f"--workdir {workdir} is in use by another job{f' (pid {holder})' if holder else ''};"
+          f" one job at a time trains in a workdir: wait for it to end, or give another "
+          f"--workdir") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"{os.getpid()}\n")  # for the message a second job prints
+    lock.flush()
+    try:
+      yield
+    except BaseException:
+      if created and [p.name for p in path.iterdir()] == [LOCK_FILE]:
+        (path / LOCK_FILE).unlink()
+        path.rmdir()
+      raise
+  finally:
+    lock.close()  # releases the lock
 
 
 def print_json(value: Any) -> None:
@@ -540,29 +604,36 @@ class TrainCommand(abc.ABC):
     from longformer_jax import training
     initialize_distributed(args)
     workdir = epath.Path(args.workdir or self.default_workdir(args))
-    try:
-      cfg, options = self.settings(args, workdir)
-      if args.print_config:
-        record = {"workdir": str(workdir), "config": training.config_record(cfg)}
-        if options is not None:
-          record["options"] = dataclasses.asdict(options)
-        record["flags"] = {name: getattr(args, name) for name in self._flags}
-        print_json(record)
-        return EXIT_OK
-      plan = self.plan(args, cfg, options, workdir)
-    except USAGE_ERRORS as e:
-      usage_error(parser, e)
-    is_main = jax.process_index() == 0
-    if is_main:
-      print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
-      print(f"workdir: {workdir}")
-      for line in plan.lines:
-        print(line)
-    mesh = training.make_mesh(cfg.mesh_shape)
-    try:
-      return self._run(args, cfg, plan, workdir, mesh)
-    except run_errors() as e:
-      return fail(e)
+    with contextlib.ExitStack() as held:
+      try:
+        cfg, options = self.settings(args, workdir)
+        if args.print_config:
+          record = {"workdir": str(workdir), "config": training.config_record(cfg)}
+          if options is not None:
+            record["options"] = dataclasses.asdict(options)
+          record["flags"] = {name: getattr(args, name) for name in self._flags}
+          print_json(record)
+          return EXIT_OK
+        # Everything that can be refused is, before the inputs are read and anything is
+        # written: the mesh, then the workdir, held for the rest of the run.
+        mesh = training.make_mesh(cfg.mesh_shape)
+        held.enter_context(workdir_lock(workdir))
+        plan = self.plan(args, cfg, options, workdir)
+        if plan.task is not None:
+          plan.task.check(cfg)  # e.g. final_eval's settings: refused now, not after training
+      except USAGE_ERRORS as e:
+        usage_error(parser, e)
+      except WorkdirInUseError as e:
+        return fail(e)
+      if jax.process_index() == 0:
+        print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
+        print(f"workdir: {workdir}")
+        for line in plan.lines:
+          print(line)
+      try:
+        return self._run(args, cfg, plan, workdir, mesh)
+      except run_errors() as e:
+        return fail(e)
 
   def _run(self, args, cfg, plan: Plan, workdir, mesh) -> int:
     import jax

@@ -10,10 +10,11 @@ and a resumable example order.
     >>> order = text.ExampleSampler(len(records), global_batch_size=8, seed=0)
     >>> rows = next(order)                                                   # indices of a batch
 
-JSONL rules (`read_jsonl`): the file is UTF-8; every line that is not blank holds one JSON
-object; each field of the schema is present and of its type (a `str` field must not be empty or
-only whitespace; a bool is not an int); fields outside the schema are ignored; fields named
-`unique` hold no value twice; the file holds at least one record. Any breach is a `JsonlError`
+JSONL rules (`read_jsonl`): the file is UTF-8; every line that is not blank holds one JSON object;
+each field of the schema is present and of its type (a `str` field must not be empty or only
+whitespace; a bool is not an int); no string of a field holds a lone surrogate (a `\ud800` escape
+without its pair: not text a tokenizer can encode); fields outside the schema are ignored; fields
+named `unique` hold no value twice; the file holds at least one record. Any breach is a `JsonlError`
 naming the file, the line (1-based) and the field.
 
 The tokenizer is the `tokenizers` library's, read from local files (`load_tokenizer`, from
@@ -81,6 +82,27 @@ def _check_field(path: str, line: int, name: str, value: Any, types: tuple[type,
                      f"must be {_type_name(types)}, got {json.dumps(value)[:80]}")
   if isinstance(value, str) and not value.strip():
     raise JsonlError(path, line, name, "is empty")
+  surrogate = _lone_surrogate(value)
+  if surrogate is not None:
+    raise JsonlError(path, line, name, f"holds a lone surrogate {surrogate!a} (half of a "
+                     f"UTF-16 pair, not text)")
+
+
+def _lone_surrogate(value: Any) -> str | None:
+  """The first lone surrogate of the strings in `value` (a JSON value), or None. JSON's \\u
+  escapes are the only way one gets in: a UTF-8 file cannot hold one, and json.loads joins the
+  halves of a pair."""
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")  # at C speed; fails on a surrogate only
+    except UnicodeEncodeError as e:
+      return value[e.start]
+  elif isinstance(value, (list, dict)):
+    for item in (value.values() if isinstance(value, dict) else value):
+      found = _lone_surrogate(item)
+      if found is not None:
+        return found
+  return None
 
 
 def read_jsonl(path: str | os.PathLike, schema: Mapping[str, type | tuple[type, ...]], *,

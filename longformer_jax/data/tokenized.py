@@ -23,7 +23,8 @@ Text sources (`text_of`): "enwik8", "text8" and their bundled samples (`load_spl
 as UTF-8); "tfds:NAME" or "tfds:NAME:FIELD" (a prepared TFDS dataset's `text` feature, or FIELD,
 each record's lines being documents; needs tensorflow-datasets); or a local text file or a
 directory of `*.txt` files. Local text is split like the corpora: the first 90% of its bytes
-train, the next 5% validation, the rest test.
+train, the next 5% validation, the rest test. It must be UTF-8 (a byte that is not is an error
+naming the file and line), and every split must hold some text.
 
 The stream of a (source, split, tokenizer) is cached as a `.npy` file (uint16 when the vocabulary
 fits, else int32), written atomically and named by the SHA-256 of the tokenizer and of the
@@ -148,18 +149,30 @@ _LOCAL_SPLITS = ("train", "validation", "test")
 
 
 def text_of(source: str, split: str, data_dir: str | os.PathLike | None = None) -> list[str]:
-  """The documents of `split` ("train", "validation", "test") of a text source (module doc)."""
+  """The documents of `split` ("train", "validation", "test") of a text source (module doc).
+  Raises FileNotFoundError / ValueError naming the source when it does not exist, when a local
+  file is not UTF-8 (its line named) or when the split holds no text."""
   if split not in _LOCAL_SPLITS:
     raise ValueError(f"split must be one of {_LOCAL_SPLITS}, got {split!r}")
   from longformer_jax.data import DATASETS, load_split
+  where = ""
   if source in DATASETS:
-    return documents(load_split(source, split, data_dir).tobytes().decode("utf-8", "replace"))
-  if source.startswith("tfds:"):
-    return _tfds_documents(source.removeprefix("tfds:"), split, data_dir)
-  from longformer_jax.data.corpora import split_bounds
-  data = _local_bytes(source)
-  start, stop = split_bounds(len(data))[split]
-  return documents(data[start:stop].decode("utf-8", "replace"))
+    docs = documents(load_split(source, split, data_dir).tobytes().decode("utf-8", "replace"))
+  elif source.startswith("tfds:"):
+    docs = _tfds_documents(source.removeprefix("tfds:"), split, data_dir)
+  else:
+    from longformer_jax.data.corpora import split_bounds
+    data = _local_bytes(source)
+    if not data.strip():
+      raise ValueError(f"text source {source!r} holds no text ({len(data):,} bytes)")
+    start, stop = split_bounds(len(data))[split]
+    where = f" (bytes {start:,} to {stop:,} of its {len(data):,})"
+    # The split's edges fall between bytes, not characters (the file itself is checked to be
+    # UTF-8): a character cut in two there reads as U+FFFD.
+    docs = documents(data[start:stop].decode("utf-8", "replace"))
+  if not docs:
+    raise ValueError(f"the {split} split of text source {source!r}{where} holds no text")
+  return docs
 
 
 def _local_files(source: str) -> list[Path]:
@@ -176,7 +189,19 @@ def _local_files(source: str) -> list[Path]:
 
 
 def _local_bytes(source: str) -> bytes:
-  return b"\n".join(p.read_bytes() for p in _local_files(source))
+  """The bytes of a local source's files, joined by newlines; ValueError naming the file and
+  line of the first byte that is not UTF-8."""
+  pieces = []
+  for path in _local_files(source):
+    data = path.read_bytes()
+    try:
+      data.decode("utf-8")
+    except UnicodeDecodeError as e:
+      line, line_start = data.count(b"\n", 0, e.start) + 1, data.rfind(b"\n", 0, e.start) + 1
+      raise ValueError(f"{path}:{line}: is not UTF-8 (byte {e.start - line_start + 1} of the "
+                       f"line: {data[e.start:e.start + 1]!r})") from None
+    pieces.append(data)
+  return b"\n".join(pieces)
 
 
 def _tfds_documents(spec: str, split: str, data_dir) -> list[str]:
@@ -258,8 +283,6 @@ def token_ids(source: str, split: str, tokenizer, *, data_dir: str | os.PathLike
     return np.load(path)
   ids = encode_documents(tokenizer, text_of(source, split, data_dir),
                          special_ids(tokenizer).eos)
-  if ids.size == 0:
-    raise ValueError(f"the {split} split of {source!r} holds no text")
   path.parent.mkdir(parents=True, exist_ok=True)
   buffer = io.BytesIO()
   np.save(buffer, ids)

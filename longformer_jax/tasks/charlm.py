@@ -38,13 +38,19 @@ from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 from longformer_jax.config import CharLMConfig
 from longformer_jax.training import examples
 from longformer_jax.training import presets
+from longformer_jax.tasks.runs import read_run
 from longformer_jax.training.config import (
-    Stage, TrainConfig, config_from_record, paper_stages, read_run_config)
+    Stage, TrainConfig, check_int, config_from_record, final_eval_settings, paper_stages)
 from longformer_jax.training.sharding import (
     batch_axes, make_mesh, row_group, seq_axis)
 from longformer_jax.training.task import Batches, FinalEvaluation, Task, dict_batches, restore
 
 PROTOCOLS = ("sliding", "chunks")
+SPLITS = ("train", "validation", "test")
+# What a run's `final_eval` may set (`CharLMTask.final_evaluation`): the split, and the rest of
+# `evaluate_run`'s settings.
+FINAL_EVAL_SETTINGS = ("split", "step", "protocol", "context", "stride", "score_last",
+                       "batch_size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +60,46 @@ class Window:
   score_from: int  # first scored input position (start <= score_from < end)
 
 
+def check_bpc_settings(*, context: int = 32256, stride: int = 512, score_last: int | None = None,
+                       batch_size: int = 1, protocol: str = "sliding") -> None:
+  """Raises ValueError (TypeError for a value that is no int) naming the first of
+  `evaluate_bpc`'s settings (same names and defaults) that it would refuse, before any data is
+  read: what eval.bpc and a run's `final_eval` are checked with."""
+  if protocol not in PROTOCOLS:
+    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+  check_int("context", context, minimum=1)
+  check_int("batch_size", batch_size, minimum=1)
+  if protocol == "sliding":
+    check_int("stride", stride)
+    if not 1 <= stride <= context:
+      raise ValueError(f"stride must be in [1, context={context}], got {stride!r}")
+  if score_last is not None and protocol == "sliding" and score_last != stride:
+    raise ValueError(
+        f"score_last={score_last} differs from stride={stride}: each character is scored "
+        "exactly once only when a window scores exactly the positions it adds")
+
+
+def check_final_eval(cfg: TrainConfig) -> None:
+  """ValueError (or TypeError) naming a setting of `cfg.final_eval` that
+  `CharLMTask.final_evaluation` does not take or would refuse: checked when a run is configured,
+  not after training."""
+  settings = final_eval_settings(cfg, FINAL_EVAL_SETTINGS)
+  split = settings.pop("split", "test")
+  if split not in SPLITS:
+    raise ValueError(f"final_eval.split must be one of {SPLITS}, got {split!r}")
+  step = settings.pop("step", None)
+  try:
+    if step is not None:
+      check_int("step", step, minimum=0)
+    check_bpc_settings(**settings)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"final_eval: {e}") from None
+
+
 def window_plan(num_bytes: int, context: int, stride: int, protocol: str = "sliding"
                 ) -> list[Window]:
   """The windows that score each of the num_bytes - 1 predictions exactly once."""
-  if protocol not in PROTOCOLS:
-    raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  if context < 1:
-    raise ValueError(f"context must be >= 1, got {context}")
-  if protocol == "sliding" and not 1 <= stride <= context:
-    raise ValueError(f"stride must be in [1, context={context}], got {stride}")
+  check_bpc_settings(context=context, stride=stride, protocol=protocol)
   if num_bytes < 2:
     raise ValueError(f"a split needs at least 2 bytes to score a prediction, got {num_bytes}")
   positions = num_bytes - 1
@@ -106,12 +143,8 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
                  windows: Sequence[int] | None = None, mesh: jax.sharding.Mesh | None = None,
                  progress: bool = False) -> tuple[float, int]:
   """(sum of cross-entropies in nats, number of scored predictions); see `evaluate_bpc`."""
-  if score_last is not None and protocol == "sliding" and score_last != stride:
-    raise ValueError(
-        f"score_last={score_last} differs from stride={stride}: each character is scored "
-        "exactly once only when a window scores exactly the positions it adds")
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  check_bpc_settings(context=context, stride=stride, score_last=score_last,
+                     batch_size=batch_size, protocol=protocol)
   data = np.asarray(data)
   if data.ndim != 1:
     raise ValueError(f"data must be a 1-D array of token ids, got shape {data.shape}")
@@ -187,8 +220,9 @@ def restore_run(workdir, *, step: int | None = None, mesh: jax.sharding.Mesh | N
   <workdir>/run_config.json with the parameters of checkpoint `step` (default: the newest that
   restores and verifies; damaged ones are skipped with a warning) and nothing else (no optimizer
   state), built for and sharded over `mesh` (default: all devices on the data axis) by the run's
-  logical rules; windows: the final stage's, from the settings saved with that checkpoint."""
-  cfg = read_run_config(workdir)
+  logical rules; windows: the final stage's, from the settings saved with that checkpoint.
+  ValueError for a workdir that holds a run of another kind (`runs.read_run`)."""
+  _, cfg = read_run(workdir, "charlm")
   model, step, meta = restore(LongformerForCausalLM, cfg, workdir, _default_mesh(mesh),
                               step=step)
   # The stages may have grown since the run started (an extended run): the checkpoint's own
@@ -252,10 +286,23 @@ class CharLMTask(Task):
     if not isinstance(cfg.model, CharLMConfig):
       raise ValueError(f"the char-LM task trains a CharLMConfig model, got "
                        f"{type(cfg.model).__name__}")
+    check_final_eval(cfg)
     for i, stage in enumerate(cfg.stages):
       if stage.windows is not None and len(stage.windows) != cfg.model.num_hidden_layers:
         raise ValueError(f"stages[{i}].windows has {len(stage.windows)} entries for a "
                          f"{cfg.model.num_hidden_layers}-layer model: {stage.windows}")
+    if self.data_file is not None:  # a file's splits may be too small (the corpora are not)
+      from longformer_jax.data import BatchSampler
+      for i, stage in enumerate(cfg.stages):
+        try:
+          BatchSampler(self._train_data, seq_len=stage.seq_len,
+                       global_batch_size=stage.batch_size)
+        except ValueError as e:
+          raise ValueError(f"{self.data_file}: its train split (the first 90% of its bytes) "
+                           f"is too short for stages[{i}]: {e}") from None
+      if len(self._valid_data) < 2:
+        raise ValueError(f"{self.data_file}: its validation split (5% of its bytes) holds "
+                         f"{len(self._valid_data)} byte(s); scoring needs at least 2")
 
   def data_identity(self, cfg: TrainConfig) -> dict[str, Any]:
     """The training bytes' length and SHA-256 (a 90 MB split hashes in well under a second)."""

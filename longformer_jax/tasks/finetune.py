@@ -307,13 +307,13 @@ def run_settings(workdir, task: str, max_length: int | None = None
                  ) -> tuple[TrainConfig, FinetuneOptions]:
   """(TrainConfig, options) of the fine-tuning run of `task` in `workdir` (its run record),
   rows of `max_length` tokens when given (else the run's): what scoring the run's checkpoints
-  without training uses. ValueError when the workdir holds a run of another task."""
-  from longformer_jax.training.config import RUN_CONFIG, config_from_record, read_run_record
-  record = read_run_record(workdir)
-  data = record.get("data") or {}
-  if data.get("task") != task:
-    raise ValueError(f"{workdir} is a run of task {data.get('task')!r}, not {task!r}")
-  cfg = config_from_record(record, f"{workdir}/{RUN_CONFIG}")
+  without training uses. ValueError when the workdir holds a run of another kind or task."""
+  from longformer_jax.tasks.runs import read_run
+  record, cfg = read_run(workdir, "finetune")
+  data = record["data"]
+  if data["task"] != task:
+    raise ValueError(f"{workdir} is a fine-tuning run of task {data['task']!r}, not {task!r} "
+                     f"(--task {data['task']})")
   if max_length is not None:
     cfg = dataclasses.replace(cfg, stages=(dataclasses.replace(
         cfg.stages[0], seq_len=max_length),) + cfg.stages[1:])

@@ -47,7 +47,7 @@ from longformer_jax.data import tokenized
 from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer, special_ids, tokenizer_sha256
 from longformer_jax.modeling import LongformerForMaskedLM, masked_positions
 from longformer_jax.training import examples
-from longformer_jax.training.config import Stage, TrainConfig
+from longformer_jax.training.config import Stage, TrainConfig, check_int, final_eval_settings
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.sources import open_model_dir
 from longformer_jax.training import presets
@@ -56,6 +56,9 @@ from longformer_jax.training.task import Batches, FinalEvaluation, Task
 MASK_RATE = 0.15           # RoBERTa's (and BERT's) share of tokens predicted
 MASK_REPLACE = (0.8, 0.1)  # of those: <mask>, a random token; the rest (0.1) stay unchanged
 TOKENIZER_FILE = "tokenizer.json"  # the run's tokenizer, saved in its workdir
+SPLITS = ("train", "validation", "test")
+# What a run's `final_eval` may set: `evaluate_mlm_run`'s settings.
+FINAL_EVAL_SETTINGS = ("split", "step", "max_tokens", "batch_size")
 _TRAIN, _EVAL = 0, 1       # mask-key domains: training steps and held-out rows never share keys
 
 
@@ -204,8 +207,7 @@ def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: i
   mesh, rules: batches are laid out as training batches (`examples.put_batch`), for a model
     built for that mesh; batch_size is rounded up to a multiple of the row shards.
   """
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+  _check_eval_limits(batch_size, max_tokens)
   stream = np.asarray(stream)
   if max_tokens is not None:
     stream = stream[:max_tokens]
@@ -240,6 +242,14 @@ def evaluate_mlm(model: LongformerForMaskedLM, stream: np.ndarray, *, seq_len: i
     target_bytes = int(np.sum(np.asarray(bytes_per_token)[labels[labels >= 0]]))
     result.update(bpc=total_nats / math.log(2) / target_bytes, masked_bytes=target_bytes)
   return result
+
+
+def _check_eval_limits(batch_size: int, max_tokens: int | None) -> None:
+  """ValueError (TypeError) unless batch_size is an int >= 1 and max_tokens None or an int >= 1
+  (a slice bound of 0 or less would score a silently shortened stream)."""
+  check_int("batch_size", batch_size, minimum=1)
+  if max_tokens is not None:
+    check_int("max_tokens", max_tokens, minimum=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -288,6 +298,7 @@ class MLMTask(Task):
                        f"{type(model).__name__}")
     if model.causal:
       raise ValueError("the MLM task trains a bidirectional model; model.causal is True")
+    check_final_eval(cfg)
     if self.vocab_size > model.vocab_size:
       raise ValueError(f"the tokenizer has {self.vocab_size} ids; the model's vocabulary holds "
                        f"{model.vocab_size} (model.vocab_size)")
@@ -362,6 +373,21 @@ class MLMTask(Task):
     return FinalEvaluation({"eval": result}, lines=(f"{cfg.dataset} {describe(result)}",))
 
 
+def check_final_eval(cfg: TrainConfig) -> None:
+  """ValueError (or TypeError) naming a setting of `cfg.final_eval` that `evaluate_mlm_run`
+  does not take or would refuse: checked when a run is configured, not after training."""
+  settings = final_eval_settings(cfg, FINAL_EVAL_SETTINGS)
+  split = settings.get("split", "test")
+  if split not in SPLITS:
+    raise ValueError(f"final_eval.split must be one of {SPLITS}, got {split!r}")
+  try:
+    if settings.get("step") is not None:
+      check_int("step", settings["step"], minimum=0)
+    _check_eval_limits(settings.get("batch_size", 8), settings.get("max_tokens"))
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"final_eval: {e}") from None
+
+
 def describe(result: dict[str, Any]) -> str:
   """One line for an `evaluate_mlm_run` result."""
   bpc = f", {result['bpc']:.4f} bpc" if "bpc" in result else ""
@@ -374,13 +400,16 @@ def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
                      batch_size: int = 8, progress: bool = False) -> dict[str, Any]:
   """`evaluate_mlm` of a training run's checkpoint (default: the newest that restores and
   verifies) on a split of its dataset, with the run's tokenizer (<workdir>/tokenizer.json), seed,
-  masking rate and the last stage's sequence length. Reads the parameters only."""
+  masking rate and the last stage's sequence length. Reads the parameters only. ValueError for a
+  workdir that holds a run of another kind (`runs.read_run`)."""
   from etils import epath
-  from longformer_jax.training.config import config_from_record, read_run_config
+  from longformer_jax.tasks.runs import read_run
+  from longformer_jax.training.config import config_from_record
   from longformer_jax.training.sharding import make_mesh
   from longformer_jax.training.task import restore
+  _check_eval_limits(batch_size, max_tokens)
   workdir = epath.Path(workdir)
-  cfg = read_run_config(workdir)
+  _, cfg = read_run(workdir, "mlm")
   mesh = make_mesh((-1, 1)) if mesh is None else mesh
   model, step, meta = restore(LongformerForMaskedLM, cfg, workdir, mesh, step=step)
   run = config_from_record(meta["run"], f"step {step} meta")  # the stages may have grown

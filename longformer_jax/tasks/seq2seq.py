@@ -39,7 +39,7 @@ from longformer_jax import led
 from longformer_jax.config import LEDConfig
 from longformer_jax.data import text
 from longformer_jax.data.tokenizer import token_id
-from longformer_jax.training.config import Stage, TrainConfig
+from longformer_jax.training.config import Stage, TrainConfig, check_int, final_eval_settings
 from longformer_jax.training import examples
 from longformer_jax.training import presets
 from longformer_jax.training.sharding import LOGICAL_RULES
@@ -357,17 +357,15 @@ class Seq2SeqTask(Task):
 
 
 def check_generation(cfg: TrainConfig) -> None:
-  """ValueError naming a `cfg.final_eval` setting that generation does not take, or a
-  max_new_tokens outside the decoder's positions."""
-  settings = dict(cfg.final_eval or {})
-  unknown = sorted(set(settings) - set(GENERATE_ARGS) - {"batch_size"})
-  if unknown:
-    raise ValueError(f"final_eval has unknown generation settings {unknown}; known: "
-                     f"{['batch_size', *GENERATE_ARGS]}")
-  new, most = settings.get("max_new_tokens", 1), cfg.model.max_decoder_position_embeddings
-  if not isinstance(new, int) or not 1 <= new <= most:
-    raise ValueError(f"max_new_tokens={new!r} must be an int in [1, "
-                     f"max_decoder_position_embeddings={most}]")
+  """ValueError (or TypeError) naming a `cfg.final_eval` setting that generation does not take
+  or would refuse for the run's model (`led.generate_settings`), checked when the run is
+  configured, not after training."""
+  settings = final_eval_settings(cfg, ("batch_size", *GENERATE_ARGS))
+  try:
+    check_int("batch_size", settings.pop("batch_size", 1), minimum=1)
+    led.generate_settings(cfg.model, **settings)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"final_eval: {e}") from None
 
 
 def check_token_ids(split: Seq2SeqSplit, vocab_size: int) -> None:

@@ -16,7 +16,7 @@ from etils import epath
 from longformer_jax import checkpoint
 from longformer_jax import config as model_configs
 from longformer_jax.config import CharLMConfig, check_windows
-from longformer_jax.io import atomic_write
+from longformer_jax.io import atomic_write, read_json
 from longformer_jax.training.sharding import LOGICAL_RULES, check_mesh_shape
 
 
@@ -156,14 +156,33 @@ class TrainConfig:
     return self.stages[i].windows or self.model.layer_windows
 
 
-def _check_int(cfg, name: str, *, minimum: int | None = None) -> None:
-  """Raises unless `cfg.<name>` is an int (a bool or an integral float is not) >= `minimum`."""
-  value = getattr(cfg, name)
-  where = f"{type(cfg).__name__}.{name}"
+def final_eval_settings(cfg: TrainConfig, known: Sequence[str]) -> dict[str, Any]:
+  """`cfg.final_eval` as a dict ({} for None), for a task's `check`: TypeError unless it is a
+  dict, ValueError naming the settings outside `known` (those the task's final evaluation
+  takes)."""
+  settings = cfg.final_eval
+  if settings is None:
+    return {}
+  if not isinstance(settings, dict):
+    raise TypeError(f"final_eval must be a dict of settings or None, got {settings!r}")
+  unknown = sorted(set(settings) - set(known))
+  if unknown:
+    raise ValueError(f"final_eval has unknown settings {unknown}; known: {list(known)}")
+  return dict(settings)
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
+  """TypeError naming `name` unless `value` is an int (NumPy's too; a bool or an integral float
+  is not), ValueError unless it is >= `minimum`."""
   if not isinstance(value, numbers.Integral) or isinstance(value, bool):
-    raise TypeError(f"{where} must be an int, got {value!r}")
+    raise TypeError(f"{name} must be an int, got {value!r}")
   if minimum is not None and value < minimum:
-    raise ValueError(f"{where} must be >= {minimum}, got {value!r}")
+    raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def _check_int(cfg, name: str, *, minimum: int | None = None) -> None:
+  """`check_int` of `cfg.<name>`, named `<class>.<name>`."""
+  check_int(f"{type(cfg).__name__}.{name}", getattr(cfg, name), minimum=minimum)
 
 
 def _check_real(cfg, name: str, *, minimum: float | None = None, above: float | None = None,
@@ -290,10 +309,7 @@ def read_run_record(workdir: str | os.PathLike) -> dict[str, Any]:
   path = epath.Path(workdir) / RUN_CONFIG
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {workdir} a training workdir?")
-  try:
-    return json.loads(path.read_text())
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{path} is not valid JSON ({e})") from None
+  return read_json(path)
 
 
 def read_run_config(workdir: str | os.PathLike) -> TrainConfig:

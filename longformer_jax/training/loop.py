@@ -458,6 +458,8 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
   """Runs (or resumes) the staged schedule of `cfg` in `workdir`; returns a summary dict.
 
   task: what is trained (`longformer_jax.tasks`: e.g. `CharLMTask(train_bytes, valid_bytes)`).
+  progress: a progress bar on process 0; False: a line on stdout at every evaluation and every
+    checkpoint instead (the step, the losses and metrics, the speed), for logs.
   step_hook(step, metrics): called on every host after each step (tests use it to record losses
     or to raise SIGTERM).
   logdir: local directory for metrics.jsonl, tensorboard/ and curves.png (default: the workdir
@@ -535,10 +537,11 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
       return f"No good checkpoint exists yet (none was saved before step {failed_step})."
     return f"The last good checkpoint is step {last_good} in {checkpoints_dir}."
 
-  def save(stage_index, batches, batch):
+  def save(stage_index, batches, batch) -> bool:
+    """Saves the step (once); whether a checkpoint was written."""
     nonlocal last_saved, last_good
     if last_saved == step:
-      return
+      return False
     # Saved only if the state is one the run can go on from (docs/charlm.md, "Run integrity").
     health = trainer.health(stage_index, state, batch)
     if not (health["finite"] and math.isfinite(health["loss"])
@@ -549,10 +552,12 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           f"gradient norm {health['grad_norm']:.4g}"
           f"{'' if health['finite'] else ', non-finite values in the state'}); not saved. "
           f"{good_checkpoint(step)} {_RETRY}")
-    if writer.save(step, state.params, state.opt_state, {
-        "step": step, "stage": stage_index, "sampler": batches.state(), "run": record}):
+    saved = writer.save(step, state.params, state.opt_state, {
+        "step": step, "stage": stage_index, "sampler": batches.state(), "run": record})
+    if saved:
       last_good = step
     last_saved = step
+    return saved
 
   pbar = None
   if progress and is_main:
@@ -605,6 +610,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           if step_hook is not None:
             step_hook(step, {"loss": loss, "grad_norm": grad_norm,
                              "tokens_per_s": tokens_per_s, **derived})
+          valid = None
           if cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
                                                     or step == cfg.total_steps):
             valid = task.evaluate(trainer.model(state.params), cfg, stage_index, trainer.mesh)
@@ -622,8 +628,18 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
             if is_main:
               print(f"\nSIGTERM: saved step {step} in {checkpoints_dir}; exiting.")
             return summary
+          saved = False
           if step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps:
-            save(stage_index, batches, batch)
+            saved = save(stage_index, batches, batch)
+          if is_main and pbar is None and (valid is not None or saved):
+            # Without a progress bar, a line per evaluation and checkpoint shows progress in a
+            # log.
+            done = [f"step {step}/{cfg.total_steps} (stage {stage_index}): loss {loss:.4f}",
+                    *(f"{k} {v:.4f}" for k, v in {**derived, **(valid or {})}.items()),
+                    f"{tokens_per_s:,.0f} tokens/s"]
+            if saved:
+              done.append(f"saved step {step}")
+            print(", ".join(done), flush=True)
       writer.wait()
       return summary
   finally:

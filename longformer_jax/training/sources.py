@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -23,6 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from longformer_jax.io import read_json
 from longformer_jax.training.config import TrainConfig
 
 __all__ = ["MODEL_PRESETS", "ModelSource", "host_params", "load_source", "open_model_dir",
@@ -88,8 +88,7 @@ def open_model_dir(spec: str | os.PathLike, hf: Mapping[str, Callable[[str], nnx
   if not os.path.isdir(spec):
     raise FileNotFoundError(f"{spec} is not a model directory: no such directory")
   if os.path.isfile(os.path.join(spec, "config.json")):
-    with open(os.path.join(spec, "config.json")) as f:
-      model_type = json.load(f).get("model_type")
+    model_type = read_json(os.path.join(spec, "config.json")).get("model_type")
     if model_type not in hf:
       raise ValueError(f"{spec}/config.json has model_type={model_type!r}; expected one of "
                        f"{sorted(hf)}")

@@ -16,6 +16,10 @@ damaged --step, or no usable checkpoint, is an error (exit status 1, one line). 
 (default <workdir>/bpc_<dataset>_<split>_<protocol>.json,
 or bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can
 be written. A result that is not finite (broken weights) is an error: exit status 1, no JSON.
+Exit status: 0 done; 1 no run in --workdir, no usable checkpoint, or a result that is not finite
+(one `error:` line); 2 a bad setting, a --file or --dataset that cannot be scored, an output that
+cannot be written, or a run of another kind in --workdir (one `eval.bpc: error:` line naming
+it), each checked before the evaluation starts.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import math
 import sys
 
 from longformer_jax.cli.driver import (
-    EXIT_FAILED, EXIT_OK, Parser, add_distributed_args, fail, initialize_distributed,
-    nonnegative_int, parse_settings, positive_int, printed_config)
+    EXIT_FAILED, EXIT_OK, USAGE_ERRORS, Parser, add_distributed_args, fail,
+    initialize_distributed, nonnegative_int, parse_settings, positive_int, printed_config,
+    usage_error)
 from longformer_jax.training import presets
 
 
@@ -77,26 +82,41 @@ def main(argv: list[str] | None = None) -> int:
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
   from longformer_jax.data import load_split
-  from longformer_jax.tasks.charlm import describe, evaluate_run
+  from longformer_jax.tasks.charlm import check_bpc_settings, describe, evaluate_run
+  from longformer_jax.tasks.runs import read_run
   from longformer_jax.io import atomic_write
   initialize_distributed(args)
 
+  # Everything is checked before any evaluation: the settings, the run, the data, the output.
   workdir = epath.Path(args.workdir)
-  if args.file is not None:
-    data = np.frombuffer(epath.Path(args.file).read_bytes(), np.uint8)
-    source = {"file": args.file}
-    name = f"file_{epath.Path(args.file).name}"
-  else:
-    cfg = training.read_run_config(workdir)
-    dataset, split = args.dataset or cfg.dataset, args.split or "test"
-    data = load_split(dataset, split, args.data_dir or cfg.data_dir)
-    source = {"dataset": dataset, "split": split}
-    name = f"{dataset}_{split}"
-  if args.max_bytes is not None:
-    data = data[:args.max_bytes]
-  out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
-  if jax.process_index() == 0:
-    _check_writable(out)  # before minutes of evaluation, not after
+  try:
+    check_bpc_settings(context=args.context, stride=args.stride, score_last=args.score_last,
+                       batch_size=args.batch_size, protocol=args.protocol)
+    try:
+      _, cfg = read_run(workdir, "charlm")
+    except FileNotFoundError as e:
+      return fail(e)  # no run there (status 1, as no checkpoint that restores)
+    if args.file is not None:
+      if not epath.Path(args.file).is_file():
+        raise FileNotFoundError(f"--file {args.file}: no such file")
+      data = np.frombuffer(epath.Path(args.file).read_bytes(), np.uint8)
+      source = {"file": args.file}
+      name = f"file_{epath.Path(args.file).name}"
+    else:
+      dataset, split = args.dataset or cfg.dataset, args.split or "test"
+      data = load_split(dataset, split, args.data_dir or cfg.data_dir)
+      source = {"dataset": dataset, "split": split}
+      name = f"{dataset}_{split}"
+    if args.max_bytes is not None:
+      data = data[:args.max_bytes]
+    if data.size < 2:
+      raise ValueError(f"{args.file or name} holds {data.size} byte(s) to score; a prediction "
+                       f"needs at least 2")
+    out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
+    if jax.process_index() == 0:
+      _check_writable(out)  # before minutes of evaluation, not after
+  except USAGE_ERRORS as e:
+    usage_error(parser, e)
   try:
     result = evaluate_run(workdir, data, step=args.step, mesh=training.make_mesh((-1, 1)),
                           context=args.context, stride=args.stride, score_last=args.score_last,
@@ -117,14 +137,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _check_writable(path) -> None:
-  """Raises OSError naming `path` unless a file can be created beside it."""
+  """Raises ValueError naming `path` unless a file can be created beside it."""
   probe = path.parent / f".{path.name}.write-check"
   try:
     path.parent.mkdir(parents=True, exist_ok=True)
     probe.write_text("")
     probe.unlink()
   except OSError as e:
-    raise OSError(f"cannot write the output {path}: {e}") from None
+    why = (f"{path.parent} is a file" if path.parent.exists() and not path.parent.is_dir()
+           else e.strerror or e)
+    raise ValueError(f"cannot write the output {path}: {why}") from None
 
 
 if __name__ == "__main__":

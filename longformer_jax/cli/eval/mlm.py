@@ -17,7 +17,8 @@ With --init the model comes from a RoBERTa directory (made long by copying its p
 --seq-len, one-sided --window), an HF Longformer directory or a model checkpoint; --tokenizer
 defaults to --init's. Prints one line and writes JSON (default <workdir>/mlm_<split>.json, or
 --output). Exit status: 0; 1 no checkpoint that restores, or a result that is not finite; 2 a bad
-argument (one line).
+argument or input, or a --workdir that holds another kind of run (one line saying what it is and
+which command scores it), before any evaluation.
 """
 
 from __future__ import annotations

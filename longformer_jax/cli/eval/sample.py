@@ -9,11 +9,12 @@ The model comes from <workdir>/run_config.json (written by train.charlm) and sam
 final stage's attention windows of the settings saved with the checkpoint, as eval.bpc
 scores; only the checkpoint's parameters are read, checked against their checksums (without
 --step the newest checkpoint that verifies; a damaged one is skipped with a one-line warning).
-The prompt's UTF-8 bytes are the token ids (the char LM's vocabulary is the 256 byte values);
-the output is the prompt followed by the sampled bytes, decoded as UTF-8 (a byte sequence that
-is not valid UTF-8 prints as U+FFFD), on stdout, and a line of timing (new bytes per second,
-compilation excluded) on stderr. Exit status: 0 done; 1 no checkpoint that restores and
-verifies, or no run in --workdir (one `error:` line); 2 a bad argument (one `error:` line).
+The prompt's UTF-8 bytes are the token ids (the char LM's vocabulary is the 256 byte values; bytes
+of the command line that are not UTF-8 are taken as they are); the output is the prompt followed by
+the sampled bytes, decoded as UTF-8 (a byte sequence that is not valid UTF-8 prints as U+FFFD), on
+stdout, and a line of timing (new bytes per second, compilation excluded) on stderr. Exit status: 0
+done; 1 no checkpoint that restores and verifies, or no run in --workdir (one `error:` line); 2 a
+bad argument, or a run of another kind in --workdir (one `error:` line), checked before sampling.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
   parser = Parser("eval.sample", __doc__)
   parser.add_argument("--workdir", required=True, help="the training run's directory")
   parser.add_argument("--prompt", required=True, help="text to continue (at least one byte)")
-  parser.add_argument("--max-new-tokens", type=int, default=200, help="bytes to sample")
+  parser.add_argument("--max-new-tokens", type=nonnegative_int, default=200,
+                      help="bytes to sample")
   parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
   parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
   parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
@@ -45,15 +47,27 @@ def main(argv: list[str] | None = None) -> int:
   import jax
   import numpy as np
   from longformer_jax.checkpoint import CheckpointError
+  from longformer_jax.generation import SamplingConfig
   from longformer_jax.tasks.charlm import restore_run
   from longformer_jax.training import make_mesh
+  try:
+    # Checked before the checkpoint is read. A command line's bytes that are not UTF-8 come
+    # back as they were given (Python holds them as escapes): the model reads bytes.
+    prompt = args.prompt.encode("utf-8", "surrogateescape")
+    SamplingConfig(args.temperature, args.top_k, args.top_p)
+  except UnicodeEncodeError as e:
+    parser.error(f"--prompt holds {args.prompt[e.start]!a} at character {e.start}, a lone "
+                 f"surrogate: not text, and no byte")
+  except ValueError as e:
+    parser.error(str(e))
   try:
     # One device: sampling one sequence has nothing to split.
     model, step, windows = restore_run(args.workdir, step=args.step,
                                        mesh=make_mesh((1, 1), jax.devices()[:1]))
   except (CheckpointError, FileNotFoundError) as e:
     return fail(e)
-  prompt = args.prompt.encode("utf-8")
+  except ValueError as e:  # a run of another kind
+    parser.error(str(e))
   start = time.perf_counter()
   with _compile_seconds() as compiling:
     try:

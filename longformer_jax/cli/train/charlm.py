@@ -13,8 +13,9 @@ command resumes from the newest checkpoint in the workdir that verifies (damaged
 skipped with a warning), and refuses to if the model, the data or the stages already trained
 differ from the run's (`longformer_jax.training.identity`; `--allow-change FIELD` for an
 optimiser or schedule setting). Exit status (`longformer_jax.cli.driver`): 0 done; 75 stopped by
-SIGTERM after saving its step; 1 the run failed (one `error:` line); 2 a bad command line or
-`--set`. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/ and results.json
+SIGTERM after saving its step; 1 the run failed, or another job holds the workdir (one `error:`
+line); 2 a bad command line, `--set`, `--data-file`, mesh or workdir (one line, before training).
+Writes <workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/ and results.json
 (the final test BPC, `CharLMTask.final_evaluation`).
 
 Several processes (e.g. on one machine, or hosts that JAX cannot discover by itself) run the same
@@ -44,8 +45,15 @@ class CharLM(TrainCommand):
   def default_workdir(self, args):
     return Path("runs") / (Path(args.config).stem if args.config else args.preset or "charlm")
 
+  def finish_config(self, args, cfg, options, workdir):
+    from longformer_jax.tasks import charlm
+    charlm.check_final_eval(cfg)
+    return cfg
+
   def plan(self, args, cfg, options, workdir):
     from longformer_jax.tasks import CharLMTask
+    if args.data_file is not None and not Path(args.data_file).is_file():
+      raise FileNotFoundError(f"--data-file {args.data_file}: no such file")
     task = CharLMTask() if args.data_file is None else CharLMTask.of_file(args.data_file)
     return Plan(task, {"config": args.config, "preset": args.preset, "overrides": args.set,
                        "data_file": args.data_file})

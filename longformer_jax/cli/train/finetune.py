@@ -21,8 +21,9 @@ to 0, rows of --max-length tokens (default: the model's positions); rerunning re
 
 Writes into --workdir: checkpoints/, run_config.json, metrics.jsonl, curves.png,
 predictions_<split>.jsonl and results.json, each file written whole or not at all. Exit status:
-0 done; 75 stopped by SIGTERM after saving its step (rerun to resume); 1 the run failed (one
-`error:` line); 2 a bad command line, setting, model, tokenizer or data file (one line).
+0 done; 75 stopped by SIGTERM after saving its step (rerun to resume); 1 the run failed, or
+another job holds the workdir (one `error:` line); 2 a bad command line, setting, model,
+tokenizer, data file, mesh or workdir (one line, before training).
 """
 
 from __future__ import annotations

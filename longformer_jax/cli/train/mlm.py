@@ -25,8 +25,9 @@ as <workdir>/tokenizer.json. Token ids are cached under <data_dir>/mlm_tokens (o
 Any setting can be overridden with `--set path=value`; `--print-config` shows the result.
 Rerunning the same command resumes from the newest checkpoint that verifies, and refuses to if
 the model, the data, the tokenizer, the starting weights or the stages already trained differ.
-Exit status: 0 done; 75 stopped by SIGTERM after saving; 1 the run failed (one-line `error:`);
-2 a bad command line, `--set`, `--init`, `--tokenizer` or `--data` (one line). Writes
+Exit status: 0 done; 75 stopped by SIGTERM after saving; 1 the run failed, or another job holds
+the workdir (one-line `error:`); 2 a bad command line, `--set`, `--init`, `--tokenizer`, `--data`
+(missing, empty, not UTF-8), mesh or workdir (one line, before training). Writes
 <workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/, tokenizer.json and
 results.json (the final test MLM loss, bits per masked token and bits per character;
 `python -m eval.mlm` scores any checkpoint).
@@ -69,10 +70,11 @@ class MLM(TrainCommand):
     return cfg if args.data is None else dataclasses.replace(cfg, dataset=args.data)
 
   def finish_config(self, args, cfg, options, workdir):
-    if args.init is None:
-      return cfg
     from longformer_jax import training
     from longformer_jax.tasks import mlm
+    mlm.check_final_eval(cfg)  # before a tokenizer is trained
+    if args.init is None:
+      return cfg
     # Made long to the longest stage, with the (overridden) preset's window; the model's shape
     # is the checkpoint's, and the model.* overrides apply to it again.
     self._init_model, self._init_kind = mlm.load_pretrained(
@@ -99,6 +101,12 @@ class MLM(TrainCommand):
     tokenizer = _tokenizer(args, cfg, workdir)
     task = mlm.MLMTask(tokenizer, init_identity=init_identity)
     task.check(cfg)
+    # The splits the run reads, tokenized (and cached) now: a missing or empty source, or text
+    # that is not UTF-8, is refused before training, not at the first evaluation.
+    final = cfg.final_eval is not None and not args.skip_final_eval
+    for split in dict.fromkeys(["train", "validation"]
+                               + ([cfg.final_eval.get("split", "test")] if final else [])):
+      task.ids(cfg, split)
     # Kept from the run's start on; a failed start's (no checkpoint) is replaced.
     if not run_started(workdir) and jax.process_index() == 0:
       workdir.mkdir(parents=True, exist_ok=True)
@@ -126,10 +134,10 @@ def _tokenizer(args, cfg, workdir):
       return load_tokenizer(init)
     raise FileNotFoundError(f"--init {args.init} holds no tokenizer (tokenizer.json or "
                             f"vocab.json + merges.txt): give --tokenizer")
+  texts = tokenized.text_of(cfg.dataset, "train", cfg.data_dir)
   print(f"training a byte-level BPE tokenizer ({cfg.model.vocab_size} ids) on the train split "
         f"of {cfg.dataset}")
-  return tokenized.train_bpe(tokenized.text_of(cfg.dataset, "train", cfg.data_dir),
-                             cfg.model.vocab_size)
+  return tokenized.train_bpe(texts, cfg.model.vocab_size)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,8 +33,9 @@ Writes into --workdir: checkpoints/, run_config.json, metrics.jsonl, curves.png,
 predictions_<split>.jsonl (one {"id", "prediction", "reference"} per pair) and results.json
 ({"validation": {"rouge1", "rouge2", "rougeL", "pairs"}, "test": {...}, ...}), each file written
 whole or not at all. Exit status: 0 done; 75 stopped by SIGTERM after saving its step (rerun to
-resume); 1 the run failed (one `error:` line); 2 a bad command line, --set, model, tokenizer or
-data file (one line).
+resume); 1 the run failed, or another job holds the workdir (one `error:` line); 2 a bad command
+line, --set (final_eval's generation settings included), model, tokenizer, data file, mesh or
+workdir (one line, before training).
 """
 
 from __future__ import annotations
@@ -124,7 +125,6 @@ class Seq2Seq(TrainCommand):
         splits["train"], splits.get("validation"),
         global_attention=seq2seq.GlobalAttention.parse(args.global_attention, self.tokenizer),
         identity=identity, test=splits.get("test"), tokenizer=self.tokenizer)
-    task.check(cfg)
     for name in ("validation", "test"):
       if name in splits:
         seq2seq.check_token_ids(splits[name], cfg.model.vocab_size)
