@@ -29,6 +29,21 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
     raise
 
 
+def check_writable(path: str | os.PathLike) -> None:
+  """Raises ValueError naming `path` unless a file can be created beside it (made and removed):
+  an output checked before minutes of work, not found unwritable after them."""
+  path = epath.Path(path)
+  probe = path.parent / f".{path.name}.write-check"
+  try:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    probe.write_text("")
+    probe.unlink()
+  except OSError as e:
+    why = (f"{path.parent} is a file" if path.parent.exists() and not path.parent.is_dir()
+           else e.strerror or e)
+    raise ValueError(f"cannot write the output {path}: {why}") from None
+
+
 def read_json(path: str | os.PathLike) -> Any:
   """The JSON value of a file (local or `epath`); ValueError naming the file when it is not
   JSON (e.g. truncated), FileNotFoundError when it does not exist."""

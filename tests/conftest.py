@@ -76,7 +76,12 @@ def _optimisation_level(request):
   if not (request.node.get_closest_marker("golden") or request.node.get_closest_marker("tpu")):
     yield
     return
+  # The flag is not part of JAX's in-memory cache keys: programs (eager ones too) compiled by
+  # earlier tests at the other level would be reused, so the caches are cleared at each switch.
+  # (The persistent cache keys hold the level: recompiling reads the right programs back.)
   old = jax.config.values["jax_disable_most_optimizations"]
   jax.config.update("jax_disable_most_optimizations", False)
+  jax.clear_caches()
   yield
   jax.config.update("jax_disable_most_optimizations", old)
+  jax.clear_caches()

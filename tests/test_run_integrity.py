@@ -429,16 +429,16 @@ def test_a_torn_last_log_line_is_dropped_and_a_damaged_one_is_an_error(files, re
 
 
 def test_a_failed_start_leaves_the_workdir_to_the_next_one(files, reference):
-  # Too few bytes for one batch: the run fails after writing its record, before any checkpoint.
+  # A learning rate that overflows at once: the run fails after writing its record (and logging
+  # its first step), before any checkpoint. (Inputs that cannot work are refused before the
+  # record is written: a failed start is a failure of the run itself.)
   workdir = files / "failed_start"
-  (files / "short.bin").write_bytes((files / "data.bin").read_bytes()[:60])
-  command = _train_command(files, workdir)
-  command[command.index("--data-file") + 1] = str(files / "short.bin")
-  proc = _run(command)
-  assert proc.returncode != 0 and "fewer than global_batch_size=4" in proc.stderr
+  proc = _train(files, workdir, "--set", "stages.0.learning_rate=1e30")
+  assert proc.returncode == 1 and "No good checkpoint exists yet" in proc.stderr, proc.stderr
   assert (workdir / "run_config.json").exists() and not checkpoint.checkpoint_steps(workdir)
-  # The same command on the right data: the failed start's record is replaced (said in one
-  # line), and the run is the uninterrupted one.
+  assert _losses(workdir)  # the failed start's steps, dropped by the next run
+  # The command with a sane learning rate, which differs from the failed start's record: that
+  # record is replaced (said in one line), and the run is the uninterrupted one.
   proc = _train(files, workdir)
   assert proc.returncode == 0, proc.stderr
   assert _stderr_lines(proc) == [

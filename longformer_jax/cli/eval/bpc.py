@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
   from longformer_jax.data import load_split
   from longformer_jax.tasks.charlm import check_bpc_settings, describe, evaluate_run
   from longformer_jax.tasks.runs import read_run
-  from longformer_jax.io import atomic_write
+  from longformer_jax.io import atomic_write, check_writable
   initialize_distributed(args)
 
   # Everything is checked before any evaluation: the settings, the run, the data, the output.
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                        f"needs at least 2")
     out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
     if jax.process_index() == 0:
-      _check_writable(out)  # before minutes of evaluation, not after
+      check_writable(out)  # before minutes of evaluation, not after
   except USAGE_ERRORS as e:
     usage_error(parser, e)
   try:
@@ -134,19 +134,6 @@ def main(argv: list[str] | None = None) -> int:
     atomic_write(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
   return EXIT_OK if math.isfinite(result["bpc"]) else EXIT_FAILED
-
-
-def _check_writable(path) -> None:
-  """Raises ValueError naming `path` unless a file can be created beside it."""
-  probe = path.parent / f".{path.name}.write-check"
-  try:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    probe.write_text("")
-    probe.unlink()
-  except OSError as e:
-    why = (f"{path.parent} is a file" if path.parent.exists() and not path.parent.is_dir()
-           else e.strerror or e)
-    raise ValueError(f"cannot write the output {path}: {why}") from None
 
 
 if __name__ == "__main__":

@@ -67,17 +67,17 @@ def main(argv: list[str] | None = None) -> int:
 
   from etils import epath
   from longformer_jax.checkpoint import CheckpointError
-  from longformer_jax.io import atomic_write
+  from longformer_jax.io import atomic_write, check_writable
   from longformer_jax.tasks import mlm
   try:
+    out = epath.Path(args.output or epath.Path(args.workdir) / f"mlm_{args.split}.json")
+    check_writable(out)  # before the evaluation, not after
     if args.workdir is not None:
       result = mlm.evaluate_mlm_run(args.workdir, split=args.split, step=args.step,
                                     max_tokens=args.max_tokens, batch_size=args.batch_size,
                                     progress=not args.no_progress)
-      out = epath.Path(args.output or epath.Path(args.workdir) / f"mlm_{args.split}.json")
     else:
       result = _evaluate_init(args, mlm)
-      out = epath.Path(args.output)
   except (ValueError, TypeError, FileNotFoundError) as e:
     usage_error(parser, e)
   except CheckpointError as e:

@@ -35,8 +35,6 @@ from longformer_jax.cli.driver import (
     Plan, TrainCommand, nonnegative_int, positive_float, positive_int)
 from longformer_jax.tasks.finetune import KINDS, FinetuneOptions
 
-TASKS = tuple(KINDS)
-
 
 class Finetune(TrainCommand):
   prog = "train.finetune"
@@ -47,20 +45,18 @@ class Finetune(TrainCommand):
   options_class = FinetuneOptions
 
   def add_arguments(self, parser):
-    parser.add_argument("--task", default=None, choices=TASKS)
+    parser.add_argument("--task", default=None, choices=tuple(KINDS))
     parser.add_argument("--model", default=None,
-                        help="HF Longformer or RoBERTa directory, project checkpoint or "
-                             "workdir, or a model preset (tiny, base, large); not needed with "
-                             "--eval-only on a workdir that has checkpoints")
+                        help="HF Longformer/RoBERTa directory, checkpoint, workdir or preset "
+                             "(tiny, base, large); not with --eval-only of a trained workdir")
     parser.add_argument("--tokenizer", default=None,
                         help="a tokenizer.json (or its directory), for text records")
     parser.add_argument("--train", default=None, help="training records (JSONL)")
-    parser.add_argument("--validation", default=None,
-                        help="validation records (JSONL): metrics while training and at the end")
+    parser.add_argument("--validation", default=None, help="validation records (JSONL)")
     parser.add_argument("--test", default=None, help="test records (JSONL): metrics at the end")
     parser.add_argument("--max-length", type=positive_int, default=None,
-                        help="tokens per row (longer records are cut; default: the model's "
-                             "positions, or the run's with --eval-only)")
+                        help="tokens per row, longer records cut (default: the model's "
+                             "positions; the run's with --eval-only)")
     parser.add_argument("--steps", type=positive_int, default=1000, help="optimizer steps")
     parser.add_argument("--batch-size", type=positive_int, default=8,
                         help="records per step (global)")
@@ -68,8 +64,8 @@ class Finetune(TrainCommand):
     parser.add_argument("--seed", type=nonnegative_int, default=0,
                         help="batch order, dropout, the new head, fresh weights of a preset")
     parser.add_argument("--eval-only", action="store_true",
-                        help="train nothing: score --validation/--test with the parameters of "
-                             "--workdir's newest checkpoint (else of --model)")
+                        help="score --validation/--test with --workdir's newest checkpoint "
+                             "(else --model)")
 
   def validate(self, parser, args):
     if not args.eval_only and (args.train is None or args.model is None):

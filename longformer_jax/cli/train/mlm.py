@@ -22,15 +22,13 @@ else a byte-level BPE of the model's vocabulary size trained on the training spl
 as <workdir>/tokenizer.json. Token ids are cached under <data_dir>/mlm_tokens (or
 ~/.cache/longformer_jax/mlm_tokens).
 
-Any setting can be overridden with `--set path=value`; `--print-config` shows the result.
-Rerunning the same command resumes from the newest checkpoint that verifies, and refuses to if
-the model, the data, the tokenizer, the starting weights or the stages already trained differ.
-Exit status: 0 done; 75 stopped by SIGTERM after saving; 1 the run failed, or another job holds
-the workdir (one-line `error:`); 2 a bad command line, `--set`, `--init`, `--tokenizer`, `--data`
-(missing, empty, not UTF-8), mesh or workdir (one line, before training). Writes
-<workdir>/metrics.jsonl, tensorboard/, curves.png, checkpoints/, tokenizer.json and
-results.json (the final test MLM loss, bits per masked token and bits per character;
-`python -m eval.mlm` scores any checkpoint).
+`--set path=value` overrides any setting; `--print-config` shows the result. Rerunning resumes
+from the newest checkpoint that verifies, and refuses to if the model, the data, the tokenizer,
+the starting weights or the stages already trained differ. Exit status as every command's
+(`longformer_jax.cli.driver`); a bad `--init`, `--tokenizer` or `--data` (missing, empty, not
+UTF-8) is status 2 before training. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
+checkpoints/, tokenizer.json and results.json (the final test MLM scores; `python -m eval.mlm`
+scores any checkpoint).
 """
 
 from __future__ import annotations
