@@ -519,6 +519,9 @@ def test_a_workdir_that_is_a_file_or_cannot_be_written_is_refused(capsys, tmp_pa
   assert f"--workdir {a_file} is a file, not a directory" in err
   err = _refused("longformer-train-charlm", _charlm_argv(tmp_path, a_file / "run"), capsys)
   assert f"--workdir {a_file / 'run'} cannot be written" in err
+
+
+def test_a_read_only_workdir_is_refused(capsys, tmp_path):
   read_only = tmp_path / "read_only"
   read_only.mkdir(mode=0o555)
   if os.access(read_only, os.W_OK):
