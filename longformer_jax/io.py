@@ -33,6 +33,8 @@ def check_writable(path: str | os.PathLike) -> None:
   """Raises ValueError naming `path` unless a file can be created beside it (made and removed):
   an output checked before minutes of work, not found unwritable after them."""
   path = epath.Path(path)
+  if path.is_dir():  # a file cannot be renamed over it
+    raise ValueError(f"cannot write the output {path}: it is a directory")
   probe = path.parent / f".{path.name}.write-check"
   try:
     path.parent.mkdir(parents=True, exist_ok=True)

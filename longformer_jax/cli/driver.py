@@ -27,7 +27,11 @@ and default. Then, before any training: the mesh (it must fit the devices), the 
 be a directory that can be written; one job at a time, `workdir_lock`) and the command's inputs
 (`TrainCommand.plan`), each refused in one line (status 2, or 1 for a workdir in use). Then the
 run: `training.train` with the task, the task's final evaluation (`Task.final_evaluation`) and
-results.json, each file written whole or not at all by process 0.
+results.json, each file written whole or not at all by process 0. A workdir whose run has started
+must hold the run's own files: its run_config.json is checked against the record sealed into its
+newest checkpoint (`training.config.check_run_record`; status 2 naming the field that differs)
+before anything is read. An evaluation without training (fine-tuning's --eval-only) writes
+eval_results.json and eval_-prefixed predictions instead, never the training run's files.
 
 The eval commands (`parse_settings`) take theirs in the same order. Their settings are their
 flags, so a config file or preset (`--preset` where the command has presets: eval.bpc's "paper"
@@ -429,6 +433,12 @@ def parse_settings(parser: argparse.ArgumentParser, argv: Sequence[str] | None,
 # Training commands
 
 
+# An evaluation without training (`Plan.evaluate`) writes its files under this prefix
+# (eval_results.json, eval_predictions_test.jsonl), never over those of the training run.
+EVAL_PREFIX = "eval_"
+EVAL_RESULTS = f"{EVAL_PREFIX}results.json"
+
+
 @dataclasses.dataclass
 class Plan:
   """What a training command runs once its settings are resolved.
@@ -437,7 +447,8 @@ class Plan:
   results: the first entries of results.json (what the run is: the config, the model, ...).
   init_params: the starting parameters, for `training.train` (None: from the seed).
   evaluate: instead of training, a function of the mesh giving a `FinalEvaluation` (e.g.
-    fine-tuning's --eval-only).
+    fine-tuning's --eval-only); its files are written as eval_results.json and eval_<name>
+    (`EVAL_PREFIX`), after checking, before it runs, that they can be.
   lines: printed before the run (process 0).
   """
   task: Any = None
@@ -602,6 +613,8 @@ class TrainCommand(abc.ABC):
     import jax
     from etils import epath
     from longformer_jax import training
+    from longformer_jax.io import check_writable
+    from longformer_jax.training.config import check_run_record
     initialize_distributed(args)
     workdir = epath.Path(args.workdir or self.default_workdir(args))
     with contextlib.ExitStack() as held:
@@ -618,9 +631,13 @@ class TrainCommand(abc.ABC):
         # written: the mesh, then the workdir, held for the rest of the run.
         mesh = training.make_mesh(cfg.mesh_shape)
         held.enter_context(workdir_lock(workdir))
+        # A resumed run's record as its checkpoints sealed it, before its inputs are read.
+        check_run_record(workdir)
         plan = self.plan(args, cfg, options, workdir)
         if plan.task is not None:
           plan.task.check(cfg)  # e.g. final_eval's settings: refused now, not after training
+        elif jax.process_index() == 0:
+          check_writable(workdir / EVAL_RESULTS)  # before the evaluation, not after
       except USAGE_ERRORS as e:
         usage_error(parser, e)
       except WorkdirInUseError as e:
@@ -665,5 +682,7 @@ class TrainCommand(abc.ABC):
         for line in evaluation.lines:
           print(line)
     files["results.json"] = json.dumps(results, indent=2) + "\n"
+    if plan.evaluate is not None:  # never the training run's files
+      files = {f"{EVAL_PREFIX}{name}": text for name, text in files.items()}
     write_files(workdir, files)
     return EXIT_OK

@@ -28,7 +28,9 @@ naming the file and line), and every split must hold some text.
 
 The stream of a (source, split, tokenizer) is cached as a `.npy` file (uint16 when the vocabulary
 fits, else int32), written atomically and named by the SHA-256 of the tokenizer and of the
-source's identity, so a changed file or tokenizer is never served stale ids.
+source's identity, so a changed file or tokenizer is never served stale ids. The SHA-256 of the
+file's bytes is written beside it (`.sha256`) and checked whenever it is read: a damaged or edited
+cache is rebuilt from its source (one warning line), never read.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import hashlib
 import importlib
 import io
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -274,19 +277,34 @@ def token_ids(source: str, split: str, tokenizer, *, data_dir: str | os.PathLike
               cache: str | os.PathLike | None = None) -> np.ndarray:
   """The token stream of a split (documents, each followed by `</s>`), from the cache when it
   holds it, else tokenized and written to it atomically. cache: the directory (default
-  `cache_dir(data_dir)`)."""
+  `cache_dir(data_dir)`). A cached stream is read only when its bytes match the SHA-256 written
+  beside it (`<name>.sha256`); one that does not (damaged or edited, or without the checksum) is
+  rebuilt from the source, with a one-line warning on stderr."""
   key = hashlib.sha256("\n".join(
       [_CACHE_VERSION, tokenizer_sha256(tokenizer), _source_identity(source, split)]).encode())
   name = "".join(c if c.isalnum() or c in "-_" else "_" for c in Path(source).name)[:40]
   path = Path(cache or cache_dir(data_dir)) / f"{name}-{split}-{key.hexdigest()[:20]}.npy"
+  checksum = path.with_suffix(".sha256")
   if path.exists():
-    return np.load(path)
+    data = path.read_bytes()
+    found = hashlib.sha256(data).hexdigest()
+    recorded = checksum.read_text().strip() if checksum.exists() else None
+    if found == recorded:
+      return np.load(io.BytesIO(data))
+    # A cache is rebuilt from its source, as a user expects of one (the run's record holds the
+    # training stream's SHA-256 too: a resume never trains on other ids).
+    why = ("has no checksum beside it" if recorded is None else
+           f"has sha256 {found[:16]}..., its checksum file says {recorded[:16]}...")
+    print(f"warning: the token cache {path} {why}: rebuilt from {source} ({split})",
+          file=sys.stderr, flush=True)
   ids = encode_documents(tokenizer, text_of(source, split, data_dir),
                          special_ids(tokenizer).eos)
   path.parent.mkdir(parents=True, exist_ok=True)
   buffer = io.BytesIO()
   np.save(buffer, ids)
+  # The ids, then their SHA-256 (a cache cut off between the two has no checksum: rebuilt).
   atomic_write(path, buffer.getvalue())
+  atomic_write(checksum, hashlib.sha256(buffer.getvalue()).hexdigest() + "\n")
   return ids
 
 

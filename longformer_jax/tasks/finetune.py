@@ -48,6 +48,8 @@ from longformer_jax.training import presets
 from longformer_jax.training import sources
 from longformer_jax.training.sources import ModelSource
 
+TOKENIZER_FILE = "tokenizer.json"  # the copy of its tokenizer a run keeps in its workdir
+
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneOptions:
@@ -296,32 +298,58 @@ def started_warmup(workdir) -> int | None:
   """The warm-up of the run in `workdir` if it has started (it has a checkpoint): fixed when it
   started (10% of its first steps), it stays when more steps extend the run. None for a new
   workdir or a failed start."""
+  from longformer_jax.training.config import started_record
+  record = started_record(workdir)
+  return None if record is None else record["stages"][0]["warmup_steps"]
+
+
+def keep_tokenizer(workdir, tokenizer: str | os.PathLike | None) -> None:
+  """Keeps a copy of the run's tokenizer file (a tokenizer.json or its directory) as
+  <workdir>/tokenizer.json when the run starts, byte for byte: the SHA-256 its record holds is
+  the copy's, and --eval-only takes it by default (`run_settings`)."""
   from etils import epath
-  from longformer_jax.training.config import RUN_CONFIG, read_run_record, run_started
-  if not (run_started(workdir) and (epath.Path(workdir) / RUN_CONFIG).exists()):
-    return None
-  return read_run_record(workdir)["stages"][0]["warmup_steps"]
+  from longformer_jax.training.config import keep_run_file
+  if tokenizer is not None:
+    keep_run_file(workdir, TOKENIZER_FILE, epath.Path(tokenizer_file(tokenizer)).read_bytes())
 
 
-def run_settings(workdir, task: str, max_length: int | None = None
-                 ) -> tuple[TrainConfig, FinetuneOptions]:
-  """(TrainConfig, options) of the fine-tuning run of `task` in `workdir` (its run record),
-  rows of `max_length` tokens when given (else the run's): what scoring the run's checkpoints
-  without training uses. ValueError when the workdir holds a run of another kind or task."""
+def run_settings(workdir, task: str, max_length: int | None = None,
+                 tokenizer: str | os.PathLike | None = None
+                 ) -> tuple[TrainConfig, FinetuneOptions, Any]:
+  """(TrainConfig, options, tokenizer) of the fine-tuning run of `task` in `workdir`: what
+  scoring its checkpoints without training uses. Its record (run_config.json, checked against
+  the checkpoints) gives the settings and the row length; the tokenizer is `tokenizer` (a
+  tokenizer.json or its directory), else the copy the run keeps (<workdir>/tokenizer.json), else
+  None (a run on records of ids, or one that kept none). A `max_length` or a tokenizer other
+  than the run's is refused: ValueError, or `identity.RunFileError` naming the file and both
+  SHA-256s (the kept copy included); ValueError too for a run of another kind or task."""
+  from etils import epath
+  from longformer_jax.data import text
+  from longformer_jax.data.tokenizer import load_tokenizer
   from longformer_jax.tasks.runs import read_run
+  from longformer_jax.training import identity
   record, cfg = read_run(workdir, "finetune")
   data = record["data"]
   if data["task"] != task:
     raise ValueError(f"{workdir} is a fine-tuning run of task {data['task']!r}, not {task!r} "
                      f"(--task {data['task']})")
-  if max_length is not None:
-    cfg = dataclasses.replace(cfg, stages=(dataclasses.replace(
-        cfg.stages[0], seq_len=max_length),) + cfg.stages[1:])
+  if max_length is not None and max_length != cfg.stages[0].seq_len:
+    raise ValueError(f"max_length={max_length} is not the run's {cfg.stages[0].seq_len} (its "
+                     f"stages.0.seq_len): a checkpoint is scored at the length it trained at; "
+                     f"leave it out to take the run's")
+  recorded = data.get("tokenizer_sha256")
+  kept = epath.Path(workdir) / TOKENIZER_FILE
+  path = (tokenizer_file(tokenizer) if tokenizer is not None
+          else kept if recorded is not None and kept.exists() else None)
+  if path is not None:
+    hint = "" if tokenizer is None else " (leave it out: the run's is taken by default)"
+    identity.check_checksum(f"the tokenizer {path}", recorded, text.file_sha256(path),
+                            f"not the one the run in {workdir} trained with{hint}")
   options = FinetuneOptions(
       global_attention=data["global_attention"],
       max_question_length=data["max_question_length"],
       label_names=None if data["label_names"] is None else tuple(data["label_names"]))
-  return cfg, options
+  return cfg, options, None if path is None else load_tokenizer(path)
 
 
 def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokenizer,
@@ -529,10 +557,10 @@ def initial_params(source: ModelSource, model: nnx.Module) -> dict[str, Any]:
 
 __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
-    "ModelSource", "MultipleChoice", "QuestionAnswering", "Tagging", "best_spans",
-    "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head", "get_kind",
-    "initial_model", "initial_params", "load_source", "macro_f1", "new_run_config",
-    "normalize_answer", "predict", "read_splits", "register", "run_settings", "score",
-    "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
+    "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging",
+    "best_spans", "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head", "get_kind",
+    "initial_model", "initial_params", "keep_tokenizer", "load_source", "macro_f1",
+    "new_run_config", "normalize_answer", "predict", "read_splits", "register", "run_settings",
+    "score", "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
     "tagging_scores", "training_task",
 ]

@@ -395,13 +395,26 @@ def describe(result: dict[str, Any]) -> str:
           f"per masked token{bpc}")
 
 
+def check_run_tokenizer(tokenizer, record: Mapping[str, Any] | None,
+                        source: str | os.PathLike) -> None:
+  """`identity.RunFileError` naming `source` unless `tokenizer` is the one the run of `record`
+  (its run record; None: a run not started, nothing to check) trained with: the same
+  `tokenizer_sha256` as the record's data."""
+  from longformer_jax.training import identity
+  if record is not None:
+    identity.check_checksum(f"the tokenizer {os.fspath(source)}",
+                            record["data"]["tokenizer_sha256"], tokenizer_sha256(tokenizer),
+                            "not the one the run trained with")
+
+
 def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
                      mesh: Mesh | None = None, max_tokens: int | None = None,
                      batch_size: int = 8, progress: bool = False) -> dict[str, Any]:
   """`evaluate_mlm` of a training run's checkpoint (default: the newest that restores and
   verifies) on a split of its dataset, with the run's tokenizer (<workdir>/tokenizer.json), seed,
   masking rate and the last stage's sequence length. Reads the parameters only. ValueError for a
-  workdir that holds a run of another kind (`runs.read_run`)."""
+  workdir that holds a run of another kind (`runs.read_run`); `identity.RunFileError` for a
+  run_config.json or tokenizer.json that is not the run's (checked before the model is read)."""
   from etils import epath
   from longformer_jax.tasks.runs import read_run
   from longformer_jax.training.config import config_from_record
@@ -409,11 +422,12 @@ def evaluate_mlm_run(workdir, *, split: str = "test", step: int | None = None,
   from longformer_jax.training.task import restore
   _check_eval_limits(batch_size, max_tokens)
   workdir = epath.Path(workdir)
-  _, cfg = read_run(workdir, "mlm")
+  record, cfg = read_run(workdir, "mlm")  # checked against the checkpoints
+  tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
+  check_run_tokenizer(tokenizer, record, workdir / TOKENIZER_FILE)  # before the model is read
   mesh = make_mesh((-1, 1)) if mesh is None else mesh
   model, step, meta = restore(LongformerForMaskedLM, cfg, workdir, mesh, step=step)
   run = config_from_record(meta["run"], f"step {step} meta")  # the stages may have grown
-  tokenizer = load_tokenizer(workdir / TOKENIZER_FILE)
   task = MLMTask(tokenizer, rate=meta["run"]["data"]["mask_rate"])
   result = task.score(model, task.ids(run, split), seq_len=run.stages[-1].seq_len,
                       seed=run.seed, max_tokens=max_tokens, batch_size=batch_size, mesh=mesh,
@@ -531,7 +545,7 @@ def keep_compute_settings(pretrained: LongformerConfig, preset_model: Longformer
 
 __all__ = [
     "MASK_RATE", "MLMTask", "MaskedBatches", "NEEDS_INIT", "TOKENIZER_FILE",
-    "check_params_fit", "evaluate_mlm",
+    "check_params_fit", "check_run_tokenizer", "evaluate_mlm",
     "evaluate_mlm_run", "keep_compute_settings", "load_pretrained", "mask_tokens",
     "masked_lm_nll", "max_predictions", "mlm_paper", "mlm_tiny", "preset",
 ]

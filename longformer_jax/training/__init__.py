@@ -2,7 +2,8 @@
 (the tasks live in `longformer_jax.tasks`; the entry points, `longformer_jax.cli`, run them).
 
   config     Stage, TrainConfig, paper_stages, run_config.json
-  identity   what a run is fixed to: check_resume, RunMismatchError
+  identity   what a run is fixed to: check_resume, RunMismatchError, RunFileError (a file
+             around the checkpoints that is not the run's)
   overrides  apply_overrides: `--set path=value` changes of a config, parsed to the field types
   schedule   the learning-rate schedule and the optimizer
   sharding   the (data, fsdp, seq) mesh, logical axis rules, parameter and batch shardings
@@ -20,7 +21,7 @@
 from longformer_jax.training.config import (
     PAPER_STEPS_LARGE, PAPER_STEPS_SMALL, Stage, TrainConfig, config_from_record, config_record,
     paper_stages, read_run_config, write_run_config)
-from longformer_jax.training.identity import RunMismatchError, check_resume
+from longformer_jax.training.identity import RunFileError, RunMismatchError, check_resume
 from longformer_jax.training.loop import (
     NonFiniteLossError, Trainer, TrainState, maybe_initialize_distributed, train)
 from longformer_jax.training.metrics import DamagedLogError, MetricsLog, plot_curves, read_log
@@ -32,7 +33,8 @@ from longformer_jax.training.task import Batches, FinalEvaluation, Task
 
 __all__ = [
     "Batches", "DamagedLogError", "FinalEvaluation", "LOGICAL_RULES", "MetricsLog",
-    "NonFiniteLossError", "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "RunMismatchError", "Stage",
+    "NonFiniteLossError", "PAPER_STEPS_LARGE", "PAPER_STEPS_SMALL", "RunFileError",
+    "RunMismatchError", "Stage",
     "Task", "TrainConfig", "TrainState", "Trainer", "apply_overrides", "batch_sharding",
     "check_resume", "config_from_record", "config_record", "learning_rate_schedule",
     "logical_to_mesh", "make_mesh", "make_optimizer", "maybe_initialize_distributed",

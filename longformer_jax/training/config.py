@@ -304,12 +304,62 @@ def run_started(workdir: str | os.PathLike) -> bool:
   return bool(checkpoint.checkpoint_steps(epath.Path(workdir) / checkpoint.CHECKPOINTS))
 
 
+def keep_run_file(workdir: str | os.PathLike, name: str, data: bytes | str) -> None:
+  """Writes <workdir>/<name>, a file the run keeps beside its record (e.g. its tokenizer, whose
+  SHA-256 the record holds), unless the run has started: from its first checkpoint on the file
+  is the run's and stays as it is (a failed start's is replaced). Process 0 writes."""
+  import jax
+  if run_started(workdir) or jax.process_index() != 0:
+    return
+  workdir = epath.Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  atomic_write(workdir / name, data)
+
+
+def sealed_run_record(workdir: str | os.PathLike) -> tuple[int, dict[str, Any]] | None:
+  """(step, run record) of the newest checkpoint of the run in `workdir` whose meta reads and
+  matches its SHA-256 (`checkpoint.read_meta`); None when there is none."""
+  directory = epath.Path(workdir) / checkpoint.CHECKPOINTS
+  for step in reversed(checkpoint.checkpoint_steps(directory)):
+    try:
+      return step, checkpoint.read_meta(directory, step)["run"]
+    except checkpoint.DamagedCheckpointError:
+      continue  # the restore that follows reports it
+  return None
+
+
+def check_run_record(workdir: str | os.PathLike,
+                     record: dict[str, Any] | None = None) -> None:
+  """Raises `identity.RunFileError` when <workdir>/run_config.json (or `record`, its contents)
+  differs in what fixes the run from the record sealed into the run's newest checkpoint
+  (`identity.check_record_file`): the file is written once, when the run starts, and what
+  rebuilds the run's model from it (evaluation, a resume, `--model WORKDIR`) must not take
+  edited settings. Nothing to check before the first checkpoint, or without the file."""
+  from longformer_jax.training import identity
+  path = epath.Path(workdir) / RUN_CONFIG
+  sealed = sealed_run_record(workdir) if path.exists() or record is not None else None
+  if sealed is not None:
+    identity.check_record_file(read_json(path) if record is None else record, sealed[1],
+                               path=str(path), step=sealed[0])
+
+
 def read_run_record(workdir: str | os.PathLike) -> dict[str, Any]:
-  """The JSON record of <workdir>/run_config.json (FileNotFoundError naming it if missing)."""
+  """The JSON record of <workdir>/run_config.json (FileNotFoundError naming it if missing),
+  checked against the run's checkpoints (`check_run_record`)."""
   path = epath.Path(workdir) / RUN_CONFIG
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {workdir} a training workdir?")
-  return read_json(path)
+  record = read_json(path)
+  check_run_record(workdir, record)
+  return record
+
+
+def started_record(workdir: str | os.PathLike) -> dict[str, Any] | None:
+  """The record of the run in `workdir` (`read_run_record`) if the run has started (it has a
+  checkpoint and its run_config.json); None for a new workdir or a failed start."""
+  if not (run_started(workdir) and (epath.Path(workdir) / RUN_CONFIG).exists()):
+    return None
+  return read_run_record(workdir)
 
 
 def read_run_config(workdir: str | os.PathLike) -> TrainConfig:

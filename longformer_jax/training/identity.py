@@ -19,6 +19,12 @@ anything is written (`check_resume`); every difference is sorted into one of fou
   * refused, always: everything else (the model, the dataset and its fingerprint, the seed, the
     sequence length, batch size and windows of started stages). A run with a different model or
     data is a new run: it belongs in another workdir.
+
+The files around the checkpoints are checked against the record too, before a run resumes or is
+evaluated (`RunFileError`, one line naming the file, what the run recorded and what is there):
+run_config.json against the record sealed (with its SHA-256) into the newest checkpoint's meta
+(`check_record_file`: every field that fixes the run must agree), and the files named by their
+SHA-256 in the record, e.g. a tokenizer (`check_checksum`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ KEPT_BY_LOOP = frozenset({"step_changes"})
 class RunMismatchError(ValueError):
   """A resume whose settings differ from the run's in what determines it. One line listing every
   differing field with its old and new value."""
+
+
+class RunFileError(ValueError):
+  """A file a run's numbers depend on (its run_config.json, its tokenizer) is not the one the run
+  recorded: one line naming the file, what was recorded and what is there. An input problem
+  (the commands' exit status 2), found before anything is computed or written."""
 
 
 def _flatten(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -133,3 +145,41 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], *, step: int
         f"{'; '.join(refused)}. The model, the data and the stages already trained are fixed "
         f"within a run; start a new run in another workdir.{hint}")
   return accepted
+
+
+def _fixed(record: Mapping[str, Any]) -> dict[str, Any]:
+  """The flattened fields of a run record that no resume may change: all but the `FREE` and
+  `ON_REQUEST` ones, and of the stages only the first one's (it has started by the first
+  checkpoint), but for its steps and schedule values. A later stage may change until it starts,
+  so its values in the record a run started with need not be those of a later checkpoint."""
+  flat = _flatten({k: v for k, v in record.items() if k != "stages"})
+  first = (list(record.get("stages") or []) or [{}])[0]
+  flat.update({f"stages.0.{k}": v for k, v in first.items()
+               if k != "steps" and k not in ON_REQUEST_STAGE and k not in KEPT_BY_LOOP})
+  return {k: v for k, v in flat.items() if k.split(".")[0] not in FREE and k not in ON_REQUEST}
+
+
+def check_record_file(found: Mapping[str, Any], sealed: Mapping[str, Any], *, path: str,
+                      step: int) -> None:
+  """Raises RunFileError when `found` (the record of a run_config.json at `path`) differs from
+  `sealed` (the run record of checkpoint `step`'s meta, sealed with its SHA-256) in a field
+  that fixes the run (`_fixed`): the file was changed after the run started. The first three
+  differing fields are named with both values."""
+  mine, theirs = _fixed(found), _fixed(sealed)
+  differ = [k for k in sorted(set(mine) | set(theirs))
+            if not _same(mine.get(k, "<missing>"), theirs.get(k, "<missing>"))]
+  if differ:
+    shown = "; ".join(f"{k} is {mine.get(k, '<missing>')!r} there, {theirs.get(k, '<missing>')!r}"
+                      f" in the run's record" for k in differ[:3])
+    more = f" (and {len(differ) - 3} more)" if len(differ) > 3 else ""
+    raise RunFileError(
+        f"{path} is not the run's record: {shown}{more} (sealed into checkpoint step {step}). "
+        "It was changed after the run started; put the run's values back")
+
+
+def check_checksum(what: str, recorded: str | None, found: str, remedy: str = "") -> None:
+  """Raises RunFileError naming `what` when the SHA-256 `found` of a file is not the one the run
+  `recorded` (None: nothing recorded, an older run's record: not checked)."""
+  if recorded is not None and found != recorded:
+    raise RunFileError(f"{what} has sha256 {found[:16]}..., the run recorded {recorded[:16]}..."
+                       + (f": {remedy}" if remedy else ""))

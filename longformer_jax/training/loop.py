@@ -59,8 +59,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from longformer_jax import checkpoint
 from longformer_jax.training import identity
-from longformer_jax.training.config import (RUN_CONFIG, Stage, TrainConfig, config_record,
-                                             read_run_record, write_run_config)
+from longformer_jax.training.config import (RUN_CONFIG, Stage, TrainConfig, check_run_record,
+                                             config_record, read_run_record, write_run_config)
 from longformer_jax.training.metrics import DamagedLogError, MetricsLog, plot_curves
 from longformer_jax.training.schedule import (continued_stages, learning_rate_schedule,
                                                make_optimizer)
@@ -472,7 +472,8 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     other ones is refused.
   Returns {"status": "done" | "preempted", "step", "last_loss", and the last validation
   metrics, e.g. "valid_bpc"}.
-  Raises `identity.RunMismatchError` (before anything is written), `NonFiniteLossError`,
+  Raises `identity.RunMismatchError` and `identity.RunFileError` (an edited run_config.json;
+  both before anything is written), `NonFiniteLossError`,
   `checkpoint.CheckpointError` (a failed save, or no checkpoint that restores),
   `metrics.DamagedLogError` (a line of metrics.jsonl other than its last is damaged): one-line
   messages.
@@ -500,6 +501,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
   steps = checkpoint.checkpoint_steps(checkpoints_dir)
   damaged, batches_state, last_good, failed_start = [], None, None, False
   if steps:
+    check_run_record(workdir)  # an edited run_config.json: refused before anything is read
     state, meta = trainer.restore(checkpoints_dir, check_meta=check_meta)
     step, batches_state, last_good = int(meta["step"]), meta["sampler"], int(meta["step"])
     damaged = [s for s in steps if s > step]

@@ -19,11 +19,12 @@ Training: AdamW, --steps at --learning-rate, linear warm-up over the first 10% a
 to 0, rows of --max-length tokens (default: the model's positions); rerunning resumes, and more
 --steps extend a run: its warm-up stays, and the decay goes on from the last step taken.
 
-Writes into --workdir: checkpoints/, run_config.json, metrics.jsonl, curves.png,
-predictions_<split>.jsonl and results.json, each file written whole or not at all. Exit status:
-0 done; 75 stopped by SIGTERM after saving its step (rerun to resume); 1 the run failed, or
-another job holds the workdir (one `error:` line); 2 a bad command line, setting, model,
-tokenizer, data file, mesh or workdir (one line, before training).
+Writes into --workdir (each file whole or not at all): checkpoints/, run_config.json,
+tokenizer.json (--tokenizer's), metrics.jsonl, curves.png, predictions_<split>.jsonl, results.json;
+--eval-only (the run's length and tokenizer; others are refused) eval_results.json and eval_*.
+Exit status: 0 done; 75 stopped by SIGTERM after saving its step (rerun to resume); 1 the run
+failed, or another job holds the workdir (one `error:` line); 2 a bad command line, setting,
+model, tokenizer, data file, mesh or workdir (one line, before training).
 """
 
 from __future__ import annotations
@@ -80,12 +81,13 @@ class Finetune(TrainCommand):
     from longformer_jax import checkpoint
     from longformer_jax.data.tokenizer import load_tokenizer
     from longformer_jax.tasks import finetune
-    self.tokenizer = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
     self.source = self.run = None
     if args.eval_only and checkpoint.checkpoint_steps(workdir / checkpoint.CHECKPOINTS):
-      # The run's own settings; --set may still change the evaluation's (e.g. global_attention).
-      self.run, options = finetune.run_settings(workdir, args.task, args.max_length)
+      # The run's settings, length, tokenizer; --set may change the evaluation's (global_attention)
+      self.run, options, self.tokenizer = finetune.run_settings(
+          workdir, args.task, args.max_length, args.tokenizer)
       return options
+    self.tokenizer = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
     return FinetuneOptions()
 
   def base_config(self, args, options, workdir):
@@ -129,6 +131,7 @@ class Finetune(TrainCommand):
     task = finetune.training_task(args.task, self.splits, cfg, source=self.source,
                                   tokenizer=args.tokenizer, global_attention=mode,
                                   options=options)
+    finetune.keep_tokenizer(workdir, args.tokenizer)  # --eval-only's default
     if task.skipped:
       lines += (f"{task.skipped} training records have no answer inside --max-length: not "
                 f"trained on",)

@@ -83,12 +83,10 @@ class MLM(TrainCommand):
     return training.apply_overrides(cfg, [a for a in args.set if a.startswith("model.")])
 
   def plan(self, args, cfg, options, workdir):
-    import jax
     from flax import nnx
-    from longformer_jax.io import atomic_write
     from longformer_jax.tasks import mlm
     from longformer_jax.training import sources
-    from longformer_jax.training.config import run_started
+    from longformer_jax.training.config import keep_run_file
     init_params = init_identity = None
     if args.init is not None:
       params = nnx.state(self._init_model, nnx.Param)
@@ -106,9 +104,7 @@ class MLM(TrainCommand):
                                + ([cfg.final_eval.get("split", "test")] if final else [])):
       task.ids(cfg, split)
     # Kept from the run's start on; a failed start's (no checkpoint) is replaced.
-    if not run_started(workdir) and jax.process_index() == 0:
-      workdir.mkdir(parents=True, exist_ok=True)
-      atomic_write(workdir / mlm.TOKENIZER_FILE, tokenizer.to_str(pretty=True))
+    keep_run_file(workdir, mlm.TOKENIZER_FILE, tokenizer.to_str(pretty=True))
     return Plan(task, {"preset": args.preset, "config": args.config, "init": args.init,
                        "dataset": cfg.dataset, "overrides": args.set},
                 init_params=init_params)
@@ -116,16 +112,16 @@ class MLM(TrainCommand):
 
 def _tokenizer(args, cfg, workdir):
   """--tokenizer, else the workdir's (a started run's), else --init's directory's, else a BPE
-  trained here."""
+  trained here. A started run's must be the one it trained with (`mlm.check_run_tokenizer`)."""
   from longformer_jax.data import tokenized
   from longformer_jax.data.tokenizer import load_tokenizer
   from longformer_jax.tasks import mlm
-  from longformer_jax.training.config import run_started
-  if args.tokenizer is not None:
-    return load_tokenizer(args.tokenizer)
-  saved = workdir / mlm.TOKENIZER_FILE
-  if saved.exists() and run_started(workdir):
-    return load_tokenizer(saved)
+  from longformer_jax.training.config import sealed_run_record
+  saved, sealed = workdir / mlm.TOKENIZER_FILE, sealed_run_record(workdir)  # None: not started
+  if args.tokenizer is not None or (saved.exists() and sealed is not None):
+    tokenizer = load_tokenizer(args.tokenizer or saved)
+    mlm.check_run_tokenizer(tokenizer, sealed and sealed[1], args.tokenizer or saved)
+    return tokenizer
   if args.init is not None:
     init = Path(args.init)
     if (init / "tokenizer.json").is_file() or (init / "vocab.json").is_file():
