@@ -92,14 +92,24 @@ def _command(data, task, workdir, *extra, small=_SMALL):
           "--learning-rate", "1e-3", "--workdir", str(workdir), "--no-progress", *small, *extra]
 
 
-def _read_results(workdir):
-  with open(workdir / "results.json") as f:
+def _read_results(workdir, prefix=""):
+  """results.json and the predictions (prefix "eval_": the files of --eval-only)."""
+  with open(workdir / f"{prefix}results.json") as f:
     results = json.load(f)
   predictions = {}
   for split in ("validation", "test"):
-    with open(workdir / f"predictions_{split}.jsonl") as f:
+    with open(workdir / f"{prefix}predictions_{split}.jsonl") as f:
       predictions[split] = [json.loads(line) for line in f]
   return results, predictions
+
+
+def _refused(capsys, argv, *message):
+  """`argv` exits with status 2 and one `train.finetune: error:` line holding `message`."""
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(argv)
+  err = capsys.readouterr().err.strip()
+  assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+  assert err.startswith("train.finetune: error: ") and all(m in err for m in message), err
 
 
 def _learning_rates(workdir):
@@ -128,23 +138,60 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
     accuracy = np.mean([p["prediction"] == p["label"] for p in predictions[split]])
     assert results[split]["accuracy"] == pytest.approx(accuracy)
 
-  # Evaluation from the parameters alone, with the run's settings, reproduces the results.
-  for name in ("results.json", "predictions_validation.jsonl", "predictions_test.jsonl"):
-    os.remove(workdir / name)
-  assert cli.main(["--task", "classification", "--eval-only", "--workdir", str(workdir),
-                   "--tokenizer", data["tokenizer"], "--validation",
-                   data["classification", "valid"], "--test", data["classification", "valid"],
-                   "--no-progress"]) == 0
-  again, again_predictions = _read_results(workdir)
+  # Evaluation from the parameters alone, with the run's settings, its length and the copy of
+  # its tokenizer it keeps, reproduces the results, in files of its own: the training run's
+  # stay as they are.
+  kept = {name: (workdir / name).read_bytes() for name in os.listdir(workdir)
+          if name.endswith((".json", ".jsonl"))}
+  assert (workdir / "tokenizer.json").read_bytes() == open(data["tokenizer"], "rb").read()
+  eval_only = ["--task", "classification", "--eval-only", "--workdir", str(workdir),
+               "--validation", data["classification", "valid"], "--test",
+               data["classification", "valid"], "--no-progress"]
+  assert cli.main(eval_only) == 0
+  again, again_predictions = _read_results(workdir, "eval_")
   assert again["checkpoint_step"] == 4 and again["eval_only"]
   assert again["validation"] == results["validation"] and again["test"] == results["test"]
   assert again_predictions == predictions
+  assert {name: (workdir / name).read_bytes() for name in kept} == kept
+
+  # What differs from the run is refused in one line before anything is evaluated or written:
+  # another tokenizer, given or in the workdir, another length, an output that cannot be
+  # written, an edited run_config.json (a window of 2 scores other numbers).
+  other_tokenizer = tmp_path / "other_tokenizer.json"
+  other_tokenizer.write_text(open(data["tokenizer"]).read().replace('"w0"', '"w00"'))
+  os.remove(workdir / "eval_results.json")
+  _refused(capsys, [*eval_only, "--tokenizer", str(other_tokenizer)],
+           f"the tokenizer {other_tokenizer} has sha256 ", "the run recorded ",
+           "not the one the run in")
+  _refused(capsys, [*eval_only, "--max-length", "32"],
+           "max_length=32 is not the run's 48 (its stages.0.seq_len)")
+  os.replace(workdir / "tokenizer.json", tmp_path / "kept.json")
+  (workdir / "tokenizer.json").write_bytes(other_tokenizer.read_bytes())
+  _refused(capsys, eval_only, f"the tokenizer {workdir / 'tokenizer.json'} has sha256 ")
+  os.replace(tmp_path / "kept.json", workdir / "tokenizer.json")
+  (workdir / "eval_results.json").mkdir()
+  _refused(capsys, eval_only, f"cannot write the output {workdir / 'eval_results.json'}: it "
+                              "is a directory")
+  (workdir / "eval_results.json").rmdir()
+  record = json.loads((workdir / "run_config.json").read_text())
+  record["model"]["attention_window"] = 2
+  (workdir / "run_config.json").write_text(json.dumps(record))
+  _refused(capsys, eval_only, f"{workdir / 'run_config.json'} is not the run's record: "
+           "model.attention_window is 2 there, 32 in the run's record (sealed into "
+           "checkpoint step 4)")
+  # A resume is refused the same way, before anything is read or written.
+  _refused(capsys, _command(data, "classification", workdir, "--steps", "6"),
+           "model.attention_window is 2 there")
+  assert not (workdir / "eval_results.json").exists()
+  assert {name: (workdir / name).read_bytes() for name in kept} == {
+      **kept, "run_config.json": (workdir / "run_config.json").read_bytes()}
 
   # The workdir as --model of another run: its encoder and its head (same task and size) load.
+  (workdir / "run_config.json").write_bytes(kept["run_config.json"])
   other = tmp_path / "from_model"
   assert cli.main(_command(data, "classification", other, "--eval-only", "--model",
                            str(workdir))) == 0
-  loaded, loaded_predictions = _read_results(other)
+  loaded, loaded_predictions = _read_results(other, "eval_")
   assert loaded["model"] == str(workdir) and loaded["test"] == results["test"]
   assert loaded_predictions == predictions
 

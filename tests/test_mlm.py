@@ -7,6 +7,7 @@ arguments."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -268,7 +269,7 @@ def _run(*args):
 
 
 def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer, tmp_path,
-                                                                       monkeypatch):
+                                                                       monkeypatch, capsys):
   text = tmp_path / "corpus.txt"
   text.write_text(TEXT * 300)
   roberta = tmp_path / "roberta"
@@ -294,9 +295,22 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
       "kind": "hf_roberta",
       "params_sha256": sources.params_fingerprint(nnx.state(init_model, nnx.Param))}
   assert (workdir / "tokenizer.json").exists()
+  # A damaged training cache is rebuilt from its source (one line), so the resume trains on the
+  # run's ids (before: refused as a run on other data; a new run took the wrong ids).
+  [train_cache] = (tmp_path / "cache" / "mlm_tokens").glob("corpus_txt-train-*.npy")
+  recorded = train_cache.with_suffix(".sha256").read_text().strip()
+  assert recorded == hashlib.sha256(train_cache.read_bytes()).hexdigest()
+  damaged = bytearray(train_cache.read_bytes())
+  damaged[-2:] = (5).to_bytes(2, "little") if damaged[-2:] != b"\x05\x00" else b"\x06\x00"
+  train_cache.write_bytes(bytes(damaged))
   second = _run(*command, "--set", "stages.0.steps=10")
   assert second.returncode == 0, second.stderr[-3000:]
   assert "resumed from step 6" in second.stdout
+  rebuilt = [line for line in second.stderr.splitlines() if "token cache" in line]
+  assert rebuilt == [f"warning: the token cache {train_cache} has sha256 "
+                     f"{hashlib.sha256(damaged).hexdigest()[:16]}..., its checksum file says "
+                     f"{recorded[:16]}...: rebuilt from {text} (train)"]
+  assert hashlib.sha256(train_cache.read_bytes()).hexdigest() == recorded
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   losses = {r["step"]: r["train_loss"] for r in records if "train_loss" in r}
   assert sorted(losses) == list(range(1, 11))
@@ -307,7 +321,33 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
   assert results["valid_bpc"] > 0
 
   from longformer_jax.cli.eval.mlm import main as eval_main
+  from longformer_jax.cli.train.mlm import main as train_main
   monkeypatch.setenv("LONGFORMER_JAX_CACHE", str(tmp_path / "cache"))
+  # Another tokenizer.json in the workdir, or an edited run_config.json (a window of 2 scores
+  # other numbers), is refused in one line, by the evaluation and by a resume, before any work.
+  run_files = {name: (workdir / name).read_bytes() for name in ("tokenizer.json",
+                                                                "run_config.json")}
+  other = tokenized.train_bpe(tokenized.documents("a b c d\n" * 50), vocab_size=270)
+  record = json.loads(run_files["run_config.json"])
+  edited = json.dumps({**record, "model": {**record["model"], "attention_window": 2}})
+  other_tokenizer = f"the tokenizer {workdir / 'tokenizer.json'} has sha256 "
+  evaluation = ["--workdir", str(workdir), "--split", "validation"]
+  for prog, main, args, name, changed, message in (
+      ("eval.mlm", eval_main, evaluation, "tokenizer.json", other.to_str(), other_tokenizer),
+      ("eval.mlm", eval_main, evaluation, "run_config.json", edited,
+       f"{workdir / 'run_config.json'} is not the run's record: model.attention_window is 2 "
+       f"there, 8 in the run's record"),
+      ("train.mlm", train_main, command[2:], "tokenizer.json", other.to_str(),
+       other_tokenizer)):
+    (workdir / name).write_text(changed)
+    capsys.readouterr()  # what came before
+    with pytest.raises(SystemExit) as exit_info:
+      main(args)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.startswith(f"{prog}: error: {message}"), err
+    assert len(err.splitlines()) == 1, err
+    (workdir / name).write_bytes(run_files[name])
+  assert not (workdir / "mlm_validation.json").exists()
   assert eval_main(["--workdir", str(workdir), "--split", "validation", "--max-tokens", "512",
                     "--no-progress"]) == 0
   scored = json.loads((workdir / "mlm_validation.json").read_text())
