@@ -123,6 +123,30 @@ def test_documents_and_packing_lose_no_token(tokenizer):
     tokenized.pack(stream, 2, specials)
 
 
+def test_a_token_cache_is_read_only_when_its_checksum_matches(tokenizer, tmp_path, capsys,
+                                                              monkeypatch):
+  # Written with its SHA-256 beside it and read back as it is (nothing tokenized again); one
+  # without the checksum (an earlier version's, or cut off between the two writes) is rebuilt
+  # with one line. (A damaged one: the command line test below.)
+  text, cache = tmp_path / "corpus.txt", tmp_path / "cache"
+  text.write_text(TEXT * 20)
+  ids = tokenized.token_ids(str(text), "train", tokenizer, cache=cache)
+  [stream] = cache.glob("*.npy")
+  encode = tokenized.encode_documents
+  monkeypatch.setattr(tokenized, "encode_documents", None)  # not called: read from the cache
+  np.testing.assert_array_equal(tokenized.token_ids(str(text), "train", tokenizer, cache=cache),
+                                ids)
+  assert capsys.readouterr().err == ""
+  monkeypatch.setattr(tokenized, "encode_documents", encode)
+  stream.with_suffix(".sha256").unlink()
+  np.testing.assert_array_equal(tokenized.token_ids(str(text), "train", tokenizer, cache=cache),
+                                ids)
+  assert capsys.readouterr().err == (f"warning: the token cache {stream} has no checksum beside "
+                                     f"it: rebuilt from {text} (train)\n")
+  assert stream.with_suffix(".sha256").read_text() == (
+      hashlib.sha256(stream.read_bytes()).hexdigest() + "\n")
+
+
 def test_roberta_vocab_and_merges_load_as_the_same_tokenizer(tokenizer, tmp_path):
   """A RoBERTa directory without tokenizer.json: vocab.json + merges.txt, byte-level BPE."""
   model = json.loads(tokenizer.to_str())["model"]

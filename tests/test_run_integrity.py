@@ -482,6 +482,40 @@ def test_a_resume_with_another_model_or_data_is_refused_before_anything_is_writt
   assert _meta(workdir, 10)["run"]["stages"][0]["steps"] == 10
 
 
+def test_an_edited_run_config_is_refused_by_its_readers_before_any_work(files, reference,
+                                                                       capsys):
+  """run_config.json is written once, when the run starts, and every checkpoint seals the run's
+  record: a change to what fixes the run (here the dilation, which scores other numbers: before,
+  eval.bpc scored with it silently) is refused in one line, status 2, by eval.bpc, eval.sample
+  and a resume, before anything is read or written. A change to how the run is executed or
+  reported (eval_every) is not one."""
+  from longformer_jax.cli.eval import bpc, sample
+  from longformer_jax.cli.train import charlm
+  from longformer_jax.tasks.runs import read_run
+  workdir = _copy(reference, "edited")
+  path = workdir / "run_config.json"
+  record = json.loads(path.read_text())
+  path.write_text(json.dumps({**record, "model": {**record["model"], "attention_dilation": 2}}))
+  before = _snapshot(workdir)
+  for prog, main, args in (
+      ("eval.bpc", bpc.main, ["--workdir", str(workdir), "--file", str(files / "eval.bin"),
+                              "--context", "16", "--stride", "8", "--no-progress"]),
+      ("eval.sample", sample.main, ["--workdir", str(workdir), "--prompt", "ab",
+                                    "--max-new-tokens", "2"]),
+      ("train.charlm", charlm.main,
+       _train_command(files, workdir, "--set", "stages.0.steps=10")[3:])):
+    with pytest.raises(SystemExit) as exit_info:
+      main(args)
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        f"{prog}: error: {path} is not the run's record: model.attention_dilation is 2 there, 1 "
+        "in the run's record (sealed into checkpoint step 8). It was changed after the run "
+        "started; put the run's values back\n")
+  assert _snapshot(workdir) == before
+  path.write_text(json.dumps({**record, "eval_every": 1}))
+  assert read_run(workdir, "charlm")[0]["eval_every"] == 1
+
+
 def _record(**changes):
   from longformer_jax.config import CharLMConfig
   from longformer_jax.training import Stage, TrainConfig
