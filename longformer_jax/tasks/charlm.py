@@ -243,10 +243,10 @@ def _restore_run(workdir, step: int | None, mesh: jax.sharding.Mesh | None
   return model, step, config_from_record(meta["run"], f"step {step} meta")
 
 
-# The stride of a context given without one: the paper's 512, or half the context when that is
-# shorter (a window then scores its second half, after at least as many bytes of history).
 def default_stride(context: int) -> int:
-  """The stride that goes with `context` when none is given: min(512, context // 2), >= 1."""
+  """The stride that goes with `context` when none is given: the paper's 512, or half the
+  context when that is shorter (each window then scores its second half, after at least as many
+  bytes of history), at least 1."""
   return max(1, min(512, context // 2))
 
 
