@@ -22,7 +22,9 @@ the sharding or the mesh) and recomputed from what Orbax returns when it is read
 files are missing, truncated, undecodable or altered (a bit flip in a weight or an Adam moment)
 fails to restore or to verify: `restore_train_state` and `load_params` then take the newest step
 that does, warn in one line naming the skipped step and why, and never move or delete it. An
-explicitly requested step that fails is an error (`DamagedCheckpointError`, one line).
+explicitly requested step that fails is an error (`DamagedCheckpointError`, one line). A resumed
+run sets the damaged steps newer than the one it resumes from aside (`set_aside`: renamed,
+never deleted or changed) so that it can save those steps again.
 
 `load_params` reads the parameters of either kind, and only them: of a train-state checkpoint it
 opens the `params` and `meta` items alone, so the optimizer state (twice the parameters' size
@@ -651,7 +653,7 @@ def restore_train_state(path: str | os.PathLike, abstract_params: Any, abstract_
   checksums saved with them.
 
   step: default: the newest that restores and verifies (damaged steps are skipped with a
-    one-line warning and left on disk; `DamagedCheckpointError` when none does).
+    one-line warning and left as they are; `DamagedCheckpointError` when none does).
   check_meta(meta): called with each candidate's verified meta before its arrays are read
     (e.g. to refuse a resume whose settings differ); what it raises propagates.
   """
@@ -673,18 +675,30 @@ def restore_train_state(path: str | os.PathLike, abstract_params: Any, abstract_
   return _newest_good(directory, step, restore)
 
 
-class _KeepLatest:
-  """Orbax preservation policy: the latest `n` checkpoints, and every step in `protect` (the
-  damaged ones found at start: evidence is never deleted, and they do not count towards n)."""
-
-  def __init__(self, n: int | None, protect: Sequence[int]):
-    self.n, self.protect = n, frozenset(protect)
-
-  def should_preserve(self, checkpoints, *, context=None):
-    del context
-    good = sorted(c.step for c in checkpoints if c.step not in self.protect)
-    keep = set(good if self.n is None else good[max(0, len(good) - self.n):])
-    return [c.step in keep or c.step in self.protect for c in checkpoints]
+def set_aside(path: str | os.PathLike, steps: Sequence[int]) -> list[epath.Path]:
+  """Moves the train-state checkpoints `steps` under `path` (a workdir or its checkpoints/
+  directory) out of the run's checkpoints, each as it is: renamed to `step-<step>` (`.2`, `.3`,
+  ... when that name is taken) in `<checkpoints>.damaged` beside it (`<workdir>/
+  checkpoints.damaged`). Neither name is a step's, so no restore, `checkpoint_steps` or Orbax
+  manager reads it again, and a run can save those steps anew. Nothing is deleted or changed;
+  each move is one rename (atomic on a local file system). Returns the new paths, in the order
+  of `steps`."""
+  directory = _checkpoints_dir(_orbax_path(path))
+  aside = directory.parent / f"{directory.name}.damaged"
+  moved = []
+  for step in steps:
+    source, target, copy = directory / str(step), aside / f"step-{step}", 1
+    try:
+      aside.mkdir(parents=True, exist_ok=True)
+      while target.exists():
+        copy += 1
+        target = aside / f"step-{step}.{copy}"
+      source.rename(target)
+    except OSError as e:
+      raise CheckpointError(f"cannot move the damaged checkpoint step {step} of {directory} "
+                            f"to {target}: {e.strerror or e}") from None
+    moved.append(target)
+  return moved
 
 
 class TrainCheckpoints:
@@ -694,23 +708,21 @@ class TrainCheckpoints:
     Orbax writes the step (in the background when async_save). A failed save raises
     `CheckpointSaveError` from `check()` (call it every step: the run stops at the next step),
     from the next `save()`, or from `wait()`.
-  keep: how many of the newest checkpoints to keep (None: all); steps in `protect` (damaged ones
-    found at start) are never deleted and are not overwritten: saving such a step is skipped.
+  keep: how many of the newest checkpoints to keep (None: all).
   Incomplete saves left by an interrupted run (Orbax's temporary directories) are removed when
   this is created, with a one-line note.
   """
 
   def __init__(self, directory: str | os.PathLike, *, keep: int | None = None,
-               async_save: bool = False, protect: Sequence[int] = ()):
+               async_save: bool = False):
     self.directory = _orbax_path(directory)
-    self.protect = frozenset(protect)
     leftovers = incomplete_saves(self.directory)
     if leftovers:
       _warn(f"removing incomplete checkpoint directories an interrupted save left in "
             f"{self.directory}: {', '.join(leftovers)}")
     options = ocp.CheckpointManagerOptions(
         create=True, enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-        preservation_policy=_KeepLatest(keep, self.protect))
+        preservation_policy=ocp.checkpoint_managers.LatestN(keep))
     _enter_quiet()  # until close(): background saves fail on Orbax's threads
     self._quiet = True
     try:
@@ -725,13 +737,8 @@ class TrainCheckpoints:
       self._quiet = False
       _exit_quiet()
 
-  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> bool:
-    """Saves `step`; False (and nothing written) if it is a protected (damaged) step."""
-    if step in self.protect:
-      _warn(f"step {step} is not saved: a damaged checkpoint of that step is in "
-            f"{self.directory} and is kept as it is (move it elsewhere to let a run save "
-            "this step)")
-      return False
+  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+    """Saves `step` (in the background when async_save; see the class docstring)."""
     self.wait()  # Orbax would wait for the previous save anyway; its failure is named here
     meta = _seal({**meta, "step": step, "checksums": {
         "params": checksums(params), "opt_state": checksums(opt_state)}})
@@ -744,7 +751,6 @@ class TrainCheckpoints:
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
     self._pending = step
-    return True
 
   def check(self) -> None:
     """Raises CheckpointSaveError if a background save has failed; never waits for one that is

@@ -16,11 +16,13 @@ import pytest
 from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from longformer_jax import checkpoint
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer
 from longformer_jax.tasks import finetune as ft
 from longformer_jax.cli.train import finetune as cli
+from testing import file_snapshot, truncate_checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -185,6 +187,25 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   assert not (workdir / "eval_results.json").exists()
   assert {name: (workdir / name).read_bytes() for name in kept} == {
       **kept, "run_config.json": (workdir / "run_config.json").read_bytes()}
+
+  # A damaged newest checkpoint: the rerun moves it aside as it is, resumes from step 2, saves
+  # step 4 again (it verifies) and scores it: the results of the undamaged run.
+  truncate_checkpoint(workdir / "checkpoints" / "4" / "params")
+  damaged = file_snapshot(workdir / "checkpoints" / "4")
+  capsys.readouterr()
+  assert cli.main(_command(data, "classification", workdir, "--steps", "4")) == 0
+  out, err = capsys.readouterr()
+  aside = workdir / "checkpoints.damaged" / "step-4"
+  assert err.splitlines()[-1] == (
+      f"warning: moved the damaged checkpoint step 4 out of {workdir / 'checkpoints'} to "
+      f"{aside}, as it was (this run saves that step again)")
+  assert "resumed from step 2" in out and "evaluated checkpoint step 4\n" in out
+  assert file_snapshot(aside) == damaged
+  assert checkpoint.checkpoint_steps(workdir)[-1] == 4 and checkpoint.read_meta(workdir, 4)
+  retrained, retrained_predictions = _read_results(workdir)
+  assert retrained["checkpoint_step"] == 4
+  assert retrained["validation"] == results["validation"] and retrained["test"] == results["test"]
+  assert retrained_predictions == predictions
 
   # The workdir as --model of another run: its encoder and its head (same task and size) load.
   (workdir / "run_config.json").write_bytes(kept["run_config.json"])

@@ -341,6 +341,7 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
   assert np.mean([losses[s] for s in (8, 9, 10)]) < np.mean([losses[s] for s in (1, 2, 3)])
   results = json.loads((workdir / "results.json").read_text())
   assert results["steps"] == 10 and results["eval"]["split"] == "test"
+  assert results["checkpoint_step"] == results["eval"]["step"] == 10
   assert all(math.isfinite(results["eval"][k]) for k in ("loss", "bits_per_token", "bpc"))
   assert results["valid_bpc"] > 0
 
@@ -376,6 +377,7 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
                     "--no-progress"]) == 0
   scored = json.loads((workdir / "mlm_validation.json").read_text())
   np.testing.assert_allclose(scored["bpc"], results["valid_bpc"], rtol=1e-5)  # same targets
+  assert scored["step"] == 10 and " targets; step 10)\n" in capsys.readouterr().out
 
 
 
@@ -398,7 +400,10 @@ def test_a_failed_starts_tokenizer_is_not_the_next_runs(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--preset", "nope"], "unknown preset 'nope'"),
-    ([], "preset mlm_paper continues a pretrained model"),
+    (["--preset", "mlm_paper"], "preset mlm_paper continues a pretrained model"),
+    # The default preset trains from scratch: the schedule of a pretrained model is named.
+    (["--init", "/nonexistent/roberta"], "--init continues a pretrained model: name its "
+                                         "schedule (--preset mlm_paper"),
     (["--preset", "mlm_tiny", "--init", "/nonexistent/roberta"], "is not a model directory"),
     (["--preset", "mlm_tiny", "--set", "stages.0.sequence=3"], "unknown field 'sequence'"),
 ])

@@ -30,11 +30,11 @@ import pytest
 import orbax.checkpoint as ocp
 
 from longformer_jax import checkpoint
-from longformer_jax.cli.driver import LOCK_FILE
-from longformer_jax.tasks.charlm import CharLMTask, evaluate_run
+from longformer_jax.tasks.charlm import CharLMTask, evaluate_run, split_of_file
 from longformer_jax.training import (RunMismatchError, Trainer, check_resume,
                                      config_from_record, config_record, read_run_config)
-from testing import charlm_command, seed_of, subprocess_env
+from testing import (charlm_command, file_snapshot, largest_chunk, seed_of, subprocess_env,
+                     truncate_checkpoint)
 
 pytestmark = pytest.mark.integration
 
@@ -84,10 +84,9 @@ def _train(files, workdir, *args, config="sane", **kw):
   return _run(_train_command(files, workdir, *args, config=config), **kw)
 
 
-def _bpc(workdir, *args):
+def _bpc(workdir, *args, window=("--context", "16", "--stride", "8")):
   return _run([sys.executable, "-m", "eval.bpc", "--workdir", str(workdir), "--file",
-               str(Path(workdir).parent / "eval.bin"), "--context", "16", "--stride", "8",
-               "--no-progress", *args])
+               str(Path(workdir).parent / "eval.bin"), *window, "--no-progress", *args])
 
 
 def _stderr_lines(proc) -> list[str]:
@@ -105,13 +104,6 @@ def _meta(workdir, step) -> dict:
   return checkpoint.read_meta(workdir, step)
 
 
-def _snapshot(path) -> dict[str, tuple[int, int]]:
-  """(size, mtime) of every file under `path` but the workdir lock, which every job takes (and
-  writes its pid into), whether its run is refused or not."""
-  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
-          for p in Path(path).rglob("*") if p.is_file() and p.name != LOCK_FILE}
-
-
 @pytest.fixture(scope="module")
 def reference(files, charlm_run):
   """The uninterrupted run (the session's `charlm_run`, copied here): checkpoints 2, 4, 6, 8."""
@@ -126,11 +118,6 @@ def _copy(reference, name) -> Path:
   shutil.rmtree(target, ignore_errors=True)
   shutil.copytree(reference, target)
   return target
-
-
-def _largest_file(directory: Path) -> Path:
-  return max((p for p in directory.rglob("*") if p.is_file() and p.parent.name == "d"),
-             key=lambda p: p.stat().st_size)
 
 
 def _flip_bits(path: Path, count: int, seed: int) -> None:
@@ -214,13 +201,12 @@ def test_kill_9_mid_save_twice_and_between_checkpoints_resumes_bit_identically(f
 def _damage(workdir: Path, kind: str, item: str = "params", step: int = 8) -> None:
   item_dir = workdir / "checkpoints" / str(step) / item
   if kind == "truncate":
-    target = _largest_file(item_dir)
-    target.write_bytes(target.read_bytes()[:target.stat().st_size // 3])
+    truncate_checkpoint(item_dir)
   elif kind == "delete":
-    _largest_file(item_dir).unlink()
+    largest_chunk(item_dir).unlink()
   elif kind == "flip":
     # In the compressed chunks: the file may no longer decode, or decode to other values.
-    _flip_bits(_largest_file(item_dir), 64, seed_of(workdir.name))
+    _flip_bits(largest_chunk(item_dir), 64, seed_of(workdir.name))
   elif kind == "altered":
     # One weight one ulp off, written by Orbax itself: it decodes perfectly, and only the
     # checksums can tell.
@@ -267,45 +253,81 @@ def test_damaged_weights_are_skipped_by_evaluation(files, reference, kind):
   assert not (workdir / "step8.json").exists()
 
 
-def test_resume_skips_damaged_weights_and_keeps_them(files, reference):
-  # Training resumes from step 6, leaves step 8 as it is and does not save that step again.
-  # (Every kind of damage takes the code path of evaluation above; one is enough here.)
+def _set_aside_line(workdir, step) -> str:
+  return (f"warning: moved the damaged checkpoint step {step} out of {workdir / 'checkpoints'} "
+          f"to {workdir / 'checkpoints.damaged' / f'step-{step}'}, as it was (this run saves "
+          "that step again)")
+
+
+def test_resume_sets_a_damaged_newest_checkpoint_aside_saves_its_step_again_and_scores_it(
+    files, reference):
+  # Resumed from step 6, the run moves the damaged step 8 aside as it is, trains steps 7 and 8
+  # again, saves step 8 (the uninterrupted run's, bit for bit) and its final evaluation scores
+  # it. (Every kind of damage takes the code path of evaluation above; one is enough here.)
   workdir = _copy(reference, "damaged_params_resume")
   _damage(workdir, "altered")
-  before = _snapshot(workdir / "checkpoints" / "8")
-  proc = _train(files, workdir, "--set", "stages.0.steps=10")
+  before = file_snapshot(workdir / "checkpoints" / "8")
+  command = [a for a in _train_command(files, workdir) if a != "--skip-final-eval"]
+  proc = _run(command + ["--set", "final_eval={'split': 'test', 'batch_size': 16}"])
   assert proc.returncode == 0, proc.stderr
   lines = _stderr_lines(proc)
   assert lines[0].startswith("warning: skipping checkpoint step 8")
-  assert lines[1] == (f"warning: step 8 is not saved: a damaged checkpoint of that step is in "
-                      f"{workdir / 'checkpoints'} and is kept as it is (move it elsewhere to let "
-                      "a run save this step)")
-  assert len(lines) == 2
+  assert lines[1:] == [_set_aside_line(workdir, 8)]
   assert "resumed from step 6" in proc.stdout
-  assert _snapshot(workdir / "checkpoints" / "8") == before
-  # The 4 newest good ones, and the damaged one, which is never deleted.
-  assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8, 10]
-  losses = _losses(workdir)
-  assert {s: losses[s] for s in _losses(reference)} == _losses(reference)
+  assert file_snapshot(workdir / "checkpoints.damaged" / "step-8") == before
+  assert checkpoint.checkpoint_steps(workdir) == [2, 4, 6, 8]
+  assert _meta(workdir, 8)["checksums"] == _meta(reference, 8)["checksums"]
+  assert _losses(workdir) == _losses(reference)
+  # The final evaluation names the step it scored, and takes the run's own context (its last
+  # stage's 16 bytes; the config's final_eval sets none), saying so.
+  results = json.loads((workdir / "results.json").read_text())
+  assert results["checkpoint_step"] == 8 and results["eval"]["step"] == 8
+  assert (results["eval"]["context"], results["eval"]["stride"]) == (16, 8)
+  assert "evaluated checkpoint step 8\n" in proc.stdout
+  assert "context 16, stride 8: the run's last stage's seq_len (step 8)\n" in proc.stdout
+  expected = evaluate_run(reference, split_of_file(files / "data.bin", "test"), step=8,
+                          context=16, stride=8, batch_size=16)
+  assert results["test_bpc"] == expected["bpc"]
 
 
 @pytest.mark.parametrize("kind", ["flip", "altered"])
 def test_damaged_optimizer_state_blocks_resume_but_not_evaluation(files, reference, kind):
   workdir = _copy(reference, f"damaged_opt_state_{kind}")
   _damage(workdir, kind, item="opt_state")
-  proc = _bpc(workdir)
+  # eval.bpc without --context: the run's own (its last stage's 16 bytes, stride 8), said in
+  # one line.
+  proc = _bpc(workdir, window=())
   assert proc.returncode == 0 and _stderr_lines(proc) == [], proc.stderr
-  assert json.loads(next(workdir.glob("bpc_file_*.json")).read_text())["step"] == 8
+  assert "context 16, stride 8: the run's last stage's seq_len (step 8)\n" in proc.stdout
+  result = json.loads(next(workdir.glob("bpc_file_*.json")).read_text())
+  assert (result["step"], result["context"], result["stride"]) == (8, 16, 8)
   proc = _train(files, workdir)  # the run has finished; a resume still restores first
   assert proc.returncode == 0, proc.stderr
-  # Resumed from step 6, it trains steps 7 and 8 again, and keeps the damaged step 8.
-  [warning, not_saved] = _stderr_lines(proc)
+  # Resumed from step 6, it sets the damaged step 8 aside and trains and saves it again.
+  [warning, moved] = _stderr_lines(proc)
   assert warning.startswith("warning: skipping checkpoint step 8 in ") and (
       "(left as it is): step 8 opt_state: " in warning)
   if kind == "altered":
     assert "step 8 opt_state: checksum mismatch in " in warning
-  assert not_saved.startswith("warning: step 8 is not saved: a damaged checkpoint")
+  assert moved == _set_aside_line(workdir, 8)
   assert _losses(workdir) == _losses(reference)
+  assert _meta(workdir, 8)["checksums"] == _meta(reference, 8)["checksums"]
+
+
+def test_set_aside_gives_each_damaged_step_a_name_of_its_own(tmp_path):
+  # Directories that look like steps (Orbax counts a plain directory named by a number).
+  for step in (6, 8):
+    (tmp_path / "checkpoints" / str(step) / "params").mkdir(parents=True)
+    (tmp_path / "checkpoints" / str(step) / "params" / "data").write_text(str(step))
+  earlier = tmp_path / "checkpoints.damaged" / "step-8"  # set aside by an earlier run
+  earlier.mkdir(parents=True)
+  assert checkpoint.checkpoint_steps(tmp_path) == [6, 8]
+  moved = checkpoint.set_aside(tmp_path, [8])
+  assert [str(p) for p in moved] == [str(tmp_path / "checkpoints.damaged" / "step-8.2")]
+  assert checkpoint.checkpoint_steps(tmp_path) == [6]
+  assert (tmp_path / "checkpoints.damaged" / "step-8.2" / "params" / "data").read_text() == "8"
+  assert checkpoint.checkpoint_steps(tmp_path / "checkpoints.damaged") == []  # no step names
+  assert earlier.is_dir() and not any(earlier.iterdir())
 
 
 def test_damaged_meta_is_skipped(files, reference):
@@ -409,12 +431,12 @@ def test_a_torn_last_log_line_is_dropped_and_a_damaged_one_is_an_error(files, re
 
   # A damaged line that is not the last one: one error naming it, nothing written.
   log.write_text("".join(kept[:2]) + kept[2][:20] + "\n" + "".join(kept[3:]) + torn)
-  before = _snapshot(workdir)
+  before = file_snapshot(workdir)
   proc = _train(files, workdir)
   assert proc.returncode == 1
   [error] = _stderr_lines(proc)
   assert error.startswith(f"error: {log}:3: not a JSON record (column ")
-  assert _snapshot(workdir) == before
+  assert file_snapshot(workdir) == before
 
   # A torn last line: dropped with one warning; the run resumes from step 6 and every loss is
   # the uninterrupted run's, each logged once.
@@ -455,7 +477,7 @@ def test_a_failed_start_leaves_the_workdir_to_the_next_one(files, reference):
 def test_a_resume_with_another_model_or_data_is_refused_before_anything_is_written(files,
                                                                                     reference):
   workdir = _copy(reference, "mismatch")
-  before = _snapshot(workdir)
+  before = file_snapshot(workdir)
   # Refused from the settings alone, before any array is read (the head count also changes
   # the weights' shapes; a change that would not, e.g. the activation, is refused the same way).
   proc = _train(files, workdir, "--set", "model.num_attention_heads=4", "--set", "seed=1")
@@ -473,7 +495,7 @@ def test_a_resume_with_another_model_or_data_is_refused_before_anything_is_writt
   [error] = _stderr_lines(proc)
   assert error.endswith("To change stages.0.learning_rate on purpose, allow it (--allow-change "
                         "FIELD, or train(..., allow_changes=[...])).")
-  assert _snapshot(workdir) == before   # run_config.json, metrics, checkpoints: untouched
+  assert file_snapshot(workdir) == before   # run_config.json, metrics, checkpoints: untouched
   # Extending the run is allowed; run_config.json keeps the settings the run started with.
   proc = _train(files, workdir, "--set", "stages.0.steps=10")
   assert proc.returncode == 0, proc.stderr
@@ -679,7 +701,7 @@ def test_save_failure_is_seen_at_the_next_check(tmp_path):
   writer._manager.close()
   writer._manager = _FailedSaves()
   tree = {"w": jnp.ones(3)}
-  assert writer.save(2, tree, tree, {"step": 2})
+  writer.save(2, tree, tree, {"step": 2})
   with pytest.raises(checkpoint.CheckpointSaveError) as e:
     writer.check()  # the first step after the failure
   assert str(e.value) == (f"saving step 2 in {tmp_path / 'checkpoints'} failed: ValueError: "

@@ -57,6 +57,8 @@ def test_help_lists_the_settings(command, capsys):
   assert "--print-config" in out
   if command == "longformer-eval-bpc":  # the presets, with their settings
     assert "paper: protocol=sliding, context=32256, stride=512" in " ".join(out.split())
+  if command == "longformer-train-mlm":  # the default: the first try, not the paper's run
+    assert "(default: mlm_tiny)" in " ".join(out.split())
   if "-train-" in command:  # the settings, with their types and defaults
     assert "settings (--set PATH=VALUE" in out and "  stages.N.learning_rate: float" in out
     assert "  eval_every: int = 500" in out and "--distributed" in out
@@ -71,7 +73,7 @@ def _print_config_argv(command: str, tmp_path: Path) -> list[str]:
   return {
       "longformer-train-charlm": ["--config", str(CONFIGS / "char_tiny.py"),
                                   "--set", "stages.0.steps=700"],
-      "longformer-train-mlm": ["--preset", "mlm_tiny", "--data", "text8_sample"],
+      "longformer-train-mlm": ["--data", "text8_sample"],  # the default preset
       "longformer-train-finetune": ["--task", "classification", "--model", "tiny", "--train",
                                     str(records), "--max-length", "16", "--steps", "7",
                                     "--set", "global_attention=none"],
@@ -92,8 +94,10 @@ def test_print_config_prints_the_settings_and_writes_nothing(command, capsys, tm
   assert not (tmp_path / "run").exists() and not (tmp_path / "x.zip").exists()
   if command == "longformer-train-charlm":
     assert printed["config"]["stages"][0]["steps"] == 700
-  elif command == "longformer-train-mlm":
+  elif command == "longformer-train-mlm":  # mlm_tiny's 300 steps, not the paper's 65,000
     assert printed["config"]["dataset"] == "text8_sample"
+    assert printed["config"]["stages"][0]["steps"] == 300
+    assert printed["workdir"] == str(tmp_path / "run")
   elif command == "longformer-train-finetune":  # the task's options beside the TrainConfig
     assert printed["options"]["global_attention"] == "none"
     assert printed["config"]["stages"][0]["seq_len"] == 16
@@ -399,7 +403,11 @@ def test_eval_config_key_that_is_no_setting_is_one_line_and_status_2(command, ca
 def test_eval_bpc_presets(capsys, tmp_path):
   workdir = ["--workdir", str(tmp_path / "run")]
   defaults = _printed("longformer-eval-bpc", workdir, capsys)
-  assert _printed("longformer-eval-bpc", workdir + ["--preset", "paper"], capsys) == defaults
+  # Without a preset: the run's own context and stride, known once its checkpoint is read.
+  assert (defaults["context"], defaults["stride"], defaults["protocol"]) == (None, None,
+                                                                             "sliding")
+  assert _printed("longformer-eval-bpc", workdir + ["--preset", "paper"], capsys) == {
+      **defaults, "context": 32256, "stride": 512}
   quick = _printed("longformer-eval-bpc", workdir + ["--preset", "quick", "--stride", "64"],
                    capsys)
   assert quick == {**defaults, "context": 1024, "stride": 64}

@@ -268,6 +268,28 @@ def charlm_command(config: Path, data: Path, workdir: Path, *args: str) -> list[
           str(workdir), "--data-file", str(data), "--no-progress", "--skip-final-eval", *args]
 
 
+def file_snapshot(path) -> dict[str, tuple[int, int]]:
+  """(size, mtime) of every file under `path`, by path relative to it, but the workdir lock,
+  which every job takes (and writes its pid into), whether its run is refused or not: equal
+  snapshots of a directory before and after a move say that nothing in it changed."""
+  from longformer_jax.cli.driver import LOCK_FILE
+  return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in Path(path).rglob("*") if p.is_file() and p.name != LOCK_FILE}
+
+
+def largest_chunk(item_dir: Path) -> Path:
+  """The largest array chunk file of a checkpoint item (e.g. <workdir>/checkpoints/8/params)."""
+  return max((p for p in item_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
+             key=lambda p: p.stat().st_size)
+
+
+def truncate_checkpoint(item_dir: Path) -> None:
+  """Damages a checkpoint item as a write cut short would: its largest chunk file cut to a
+  third (it no longer decodes)."""
+  target = largest_chunk(item_dir)
+  target.write_bytes(target.read_bytes()[:target.stat().st_size // 3])
+
+
 def subprocess_env() -> dict[str, str]:
   """The environment of the command lines tests start: CPU, no libtpu start-up lines on
   stderr, no .pyc files (a test limiting the file size must hit the checkpoint)."""

@@ -27,7 +27,8 @@ and default. Then, before any training: the mesh (it must fit the devices), the 
 be a directory that can be written; one job at a time, `workdir_lock`) and the command's inputs
 (`TrainCommand.plan`), each refused in one line (status 2, or 1 for a workdir in use). Then the
 run: `training.train` with the task, the task's final evaluation (`Task.final_evaluation`) and
-results.json, each file written whole or not at all by process 0. A workdir whose run has started
+results.json (with "checkpoint_step", the step whose weights the evaluation scored), each file
+written whole or not at all by process 0. A workdir whose run has started
 must hold the run's own files: its run_config.json is checked against the record sealed into its
 newest checkpoint (`training.config.check_run_record`; status 2 naming the field that differs)
 before anything is read. An evaluation without training (fine-tuning's --eval-only) writes
@@ -676,9 +677,13 @@ class TrainCommand(abc.ABC):
         evaluation = plan.task.final_evaluation(cfg, workdir, mesh, progress=progress)
     files = {}
     if evaluation is not None:
+      if evaluation.step is not None:
+        results["checkpoint_step"] = evaluation.step
       results.update(evaluation.results)
       files.update(evaluation.files)
       if jax.process_index() == 0:
+        if evaluation.step is not None:
+          print(f"evaluated checkpoint step {evaluation.step}")
         for line in evaluation.lines:
           print(line)
     files["results.json"] = json.dumps(results, indent=2) + "\n"

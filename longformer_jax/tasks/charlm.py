@@ -60,20 +60,26 @@ class Window:
   score_from: int  # first scored input position (start <= score_from < end)
 
 
-def check_bpc_settings(*, context: int = 32256, stride: int = 512, score_last: int | None = None,
-                       batch_size: int = 1, protocol: str = "sliding") -> None:
+def check_bpc_settings(*, context: int | None = None, stride: int | None = None,
+                       score_last: int | None = None, batch_size: int = 1,
+                       protocol: str = "sliding") -> None:
   """Raises ValueError (TypeError for a value that is no int) naming the first of
-  `evaluate_bpc`'s settings (same names and defaults) that it would refuse, before any data is
-  read: what eval.bpc and a run's `final_eval` are checked with."""
+  `evaluate_bpc`'s settings (same names) that it would refuse, before any data is read: what
+  eval.bpc and a run's `final_eval` are checked with. A context or stride of None is the run's
+  (`evaluate_run`), known only once its checkpoint is read: what is given is checked."""
   if protocol not in PROTOCOLS:
     raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
-  check_int("context", context, minimum=1)
+  if context is not None:
+    check_int("context", context, minimum=1)
   check_int("batch_size", batch_size, minimum=1)
-  if protocol == "sliding":
+  if protocol == "sliding" and stride is not None:
     check_int("stride", stride)
-    if not 1 <= stride <= context:
+    if context is None and stride < 1:
+      raise ValueError(f"stride must be >= 1, got {stride!r}")
+    if context is not None and not 1 <= stride <= context:
       raise ValueError(f"stride must be in [1, context={context}], got {stride!r}")
-  if score_last is not None and protocol == "sliding" and score_last != stride:
+  if (score_last is not None and stride is not None and protocol == "sliding"
+      and score_last != stride):
     raise ValueError(
         f"score_last={score_last} differs from stride={stride}: each character is scored "
         "exactly once only when a window scores exactly the positions it adds")
@@ -222,19 +228,42 @@ def restore_run(workdir, *, step: int | None = None, mesh: jax.sharding.Mesh | N
   state), built for and sharded over `mesh` (default: all devices on the data axis) by the run's
   logical rules; windows: the final stage's, from the settings saved with that checkpoint.
   ValueError for a workdir that holds a run of another kind (`runs.read_run`)."""
+  model, step, run = _restore_run(workdir, step, mesh)
+  return model, step, run.stage_windows(-1)
+
+
+def _restore_run(workdir, step: int | None, mesh: jax.sharding.Mesh | None
+                 ) -> tuple[nnx.Module, int, TrainConfig]:
+  """(model, step, the run's settings saved with that checkpoint) of `restore_run`."""
   _, cfg = read_run(workdir, "charlm")
   model, step, meta = restore(LongformerForCausalLM, cfg, workdir, _default_mesh(mesh),
                               step=step)
   # The stages may have grown since the run started (an extended run): the checkpoint's own
   # settings say which windows its last stage trains with.
-  windows = config_from_record(meta["run"], f"step {step} meta").stage_windows(-1)
-  return model, step, windows
+  return model, step, config_from_record(meta["run"], f"step {step} meta")
+
+
+def default_stride(context: int) -> int:
+  """The stride that goes with `context` when none is given: the paper's 512, or half the
+  context when that is shorter (each window then scores its second half, after at least as many
+  bytes of history), at least 1."""
+  return max(1, min(512, context // 2))
+
+
+def run_context(run: TrainConfig) -> tuple[int, int | None, str]:
+  """(context, stride or None, where they come from) of a run's own BPC evaluation: the context
+  of its `final_eval` (and that stride, if it sets one), else its last stage's sequence length.
+  A stride of None is `default_stride(context)`."""
+  settings = run.final_eval or {}
+  if settings.get("context") is not None:
+    return settings["context"], settings.get("stride"), "the run's final_eval"
+  return run.stages[-1].seq_len, None, "the run's last stage's seq_len"
 
 
 def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
-                 mesh: jax.sharding.Mesh | None = None, context: int = 32256, stride: int = 512,
-                 score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
-                 progress: bool = False) -> dict:
+                 mesh: jax.sharding.Mesh | None = None, context: int | None = None,
+                 stride: int | None = None, score_last: int | None = None, batch_size: int = 1,
+                 protocol: str = "sliding", progress: bool = False) -> dict:
   """BPC of a training run's checkpoint on `data`: the evaluation of train.charlm (after
   training, `CharLMTask.final_evaluation`) and of eval.bpc.
 
@@ -242,12 +271,26 @@ def evaluate_run(workdir, data: np.ndarray, *, step: int | None = None,
   (default: the newest that restores and verifies; damaged ones are skipped with a warning) and
   nothing else (`checkpoint.load_params`: no optimizer state), and scores `data` with the final
   stage's attention windows of the settings saved with that checkpoint (`evaluate_bpc`'s other
-  arguments). mesh: the batch is split over it as in `evaluate_bpc`, the model is built for it,
-  and the parameters are sharded by the run's logical rules (default: all devices on the data
-  axis). Returns {"bpc", "bytes", "step", "windows", and the protocol}.
+  arguments). context: default: the run's own (`run_context` of the settings saved with the
+  checkpoint: its final_eval's, else its last stage's sequence length; one line on stdout says
+  which), not the paper's 32,256, which would cost a small model minutes for nothing; stride:
+  default: the run's final_eval's with its context, else `default_stride(context)`. mesh: the
+  batch is split over it as in `evaluate_bpc`, the model is built for it, and the parameters are
+  sharded by the run's logical rules (default: all devices on the data axis). Returns {"bpc",
+  "bytes", "step", "windows", and the protocol}.
   """
   mesh = _default_mesh(mesh)
-  model, step, windows = restore_run(workdir, step=step, mesh=mesh)
+  model, step, run = _restore_run(workdir, step, mesh)
+  windows = run.stage_windows(-1)
+  origin = None
+  if context is None:
+    context, run_stride, origin = run_context(run)
+    stride = run_stride if stride is None else stride
+  if stride is None:
+    stride = default_stride(context)
+  if origin is not None and jax.process_index() == 0:
+    took = f"context {context}" + (f", stride {stride}" if protocol == "sliding" else "")
+    print(f"{took}: {origin} (step {step})", flush=True)
   start = time.perf_counter()
   bpc = evaluate_bpc(model, data, context=context, stride=stride, score_last=score_last,
                      batch_size=batch_size, protocol=protocol, windows=windows, mesh=mesh,
@@ -365,7 +408,7 @@ class CharLMTask(Task):
     result = evaluate_run(workdir, data, mesh=mesh, progress=progress, **eval_args)
     return FinalEvaluation({f"{split}_bpc": result["bpc"],
                             "eval": {"dataset": source, "split": split, **result}},
-                           lines=(f"{source} {split}: {describe(result)}",))
+                           lines=(f"{source} {split}: {describe(result)}",), step=result["step"])
 
 
 def split_of_file(path: str, split: str) -> np.ndarray:

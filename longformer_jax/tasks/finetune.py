@@ -196,8 +196,7 @@ class FinetuneTask(Task):
         model, {"validation": self.validation, "test": self.test},
         global_attention=self.global_attention, options=self.options, cfg=cfg, mesh=mesh,
         progress=progress)
-    return FinalEvaluation({"checkpoint_step": step, **evaluation.results}, evaluation.files,
-                           evaluation.lines)
+    return dataclasses.replace(evaluation, step=step)
 
 
 def score_splits(model: nnx.Module, splits: Mapping[str, fd.FinetuneSplit | None], *,
@@ -504,19 +503,18 @@ def evaluate_only(task: str, cfg: TrainConfig, source: ModelSource | None, workd
                   splits: Mapping[str, fd.FinetuneSplit | None], *, global_attention: str,
                   options: FinetuneOptions, progress: bool = False) -> FinalEvaluation:
   """`score_splits` without training: of the newest checkpoint of the run in `workdir` (source
-  None; "checkpoint_step" in the results), else of `source`'s weights (`initial_model`)."""
+  None; its step is the evaluation's `step`), else of `source`'s weights (`initial_model`)."""
   from longformer_jax.training.task import restore
-  head = {}
+  step = None
   if source is None:
     model, step, _ = restore(
         lambda config, rngs, mesh=None, seq_axis=None: MODEL_CLASSES[task](
             config, rngs=rngs, mesh=mesh, seq_axis=seq_axis), cfg, workdir, mesh)
-    head = {"checkpoint_step": step}
   else:
     model = initial_model(task, source, cfg, mesh)
   evaluation = score_splits(model, splits, global_attention=global_attention, options=options,
                             cfg=cfg, mesh=mesh, progress=progress)
-  return FinalEvaluation({**head, **evaluation.results}, evaluation.files, evaluation.lines)
+  return dataclasses.replace(evaluation, step=step)
 
 
 def _is_head(path: tuple) -> bool:

@@ -370,7 +370,8 @@ class MLMTask(Task):
     if cfg.final_eval is None:
       return FinalEvaluation({})
     result = evaluate_mlm_run(workdir, mesh=mesh, progress=progress, **cfg.final_eval)
-    return FinalEvaluation({"eval": result}, lines=(f"{cfg.dataset} {describe(result)}",))
+    return FinalEvaluation({"eval": result}, lines=(f"{cfg.dataset} {describe(result)}",),
+                           step=result["step"])
 
 
 def check_final_eval(cfg: TrainConfig) -> None:
@@ -389,10 +390,11 @@ def check_final_eval(cfg: TrainConfig) -> None:
 
 
 def describe(result: dict[str, Any]) -> str:
-  """One line for an `evaluate_mlm_run` result."""
+  """One line for an `evaluate_mlm_run` result (and eval.mlm's of --init, which has no step)."""
   bpc = f", {result['bpc']:.4f} bpc" if "bpc" in result else ""
+  step = f"; step {result['step']}" if result.get("step") is not None else ""
   return (f"{result['split']}: loss {result['loss']:.4f}, {result['bits_per_token']:.4f} bits "
-          f"per masked token{bpc}")
+          f"per masked token{bpc} ({result['masked_tokens']:,} targets{step})")
 
 
 def check_run_tokenizer(tokenizer, record: Mapping[str, Any] | None,

@@ -338,7 +338,7 @@ class Seq2SeqTask(Task):
     """Outputs generated for the validation and test splits by the run's newest checkpoint
     (`cfg.final_eval`: `GENERATE_ARGS` and batch_size), scored with ROUGE; files
     predictions_<split>.jsonl. Needs the task's tokenizer."""
-    model, _, _ = self.restore(cfg, workdir, mesh)
+    model, step, _ = self.restore(cfg, workdir, mesh)
     generation = dict(cfg.final_eval or {})
     batch_size = generation.pop("batch_size", cfg.eval_batch_size)
     results, files, lines = {"generation": generation}, {}, []
@@ -353,7 +353,7 @@ class Seq2SeqTask(Task):
       results[name] = {**scores, "pairs": len(split)}
       files[f"predictions_{name}.jsonl"] = predictions_jsonl(split, predictions)
       lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()))
-    return FinalEvaluation(results, files, tuple(lines))
+    return FinalEvaluation(results, files, tuple(lines), step=step)
 
 
 def check_generation(cfg: TrainConfig) -> None:

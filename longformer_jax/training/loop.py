@@ -7,7 +7,7 @@ The loop in one paragraph (`train`):
      op runs per shard (and sequence-parallel when seq > 1).
   2. Resume: the run's settings (`training.identity`) are checked against those saved with the
      newest checkpoint under `<workdir>/checkpoints` that restores and verifies (damaged ones
-     are skipped with a warning and kept), before anything is written; its train state (float32
+     are skipped with a warning), before anything is written; its train state (float32
      params and optimizer state, restored straight into their shardings; the step) and metadata
      (stage, the stage's batch iterator state) continue the run. A stage whose length changed
      keeps the learning rates of the steps it took (`schedule.continued_stages`). Without a
@@ -15,7 +15,9 @@ The loop in one paragraph (`train`):
      materialised on one device, and run_config.json is written: once, unless it is a failed
      start's (a record without any checkpoint), which is replaced with a warning. metrics.jsonl
      keeps the records up to the step resumed from (a torn last line is dropped with a warning,
-     `metrics.read_log`).
+     `metrics.read_log`). Then the damaged checkpoints newer than the step resumed from are set
+     aside as they are (`checkpoint.set_aside`: to <workdir>/checkpoints.damaged, with a
+     warning), so that the run saves those steps again and its final step is the one scored.
   3. For each stage from the current one: the task's batch iterator for the stage, moved to the
      stage-local step (`load_state`); one jit-compiled step per stage (sequence length and
      windows are static shapes); the state is donated.
@@ -450,6 +452,14 @@ def _any_process(flag: bool) -> bool:
   return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
 
 
+def _sync_processes(name: str) -> None:
+  """Waits until every process of the run reaches this point (a collective; nothing with one
+  process): what process 0 alone did to the shared workdir is then there for all of them."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
 def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           mesh: Mesh | None = None, progress: bool = True, logdir: str | os.PathLike | None = None,
           step_hook: Callable[[int, dict[str, float]], None] | None = None,
@@ -474,7 +484,8 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
   metrics, e.g. "valid_bpc"}.
   Raises `identity.RunMismatchError` and `identity.RunFileError` (an edited run_config.json;
   both before anything is written), `NonFiniteLossError`,
-  `checkpoint.CheckpointError` (a failed save, or no checkpoint that restores),
+  `checkpoint.CheckpointError` (a failed save, no checkpoint that restores, or a damaged one
+  that cannot be set aside),
   `metrics.DamagedLogError` (a line of metrics.jsonl other than its last is damaged): one-line
   messages.
   """
@@ -526,8 +537,19 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
 
   metrics_log = MetricsLog(logdir, step, enabled=is_main)
   try:
+    if damaged:
+      # Once every check of the resume has passed: a refused resume moves nothing.
+      if is_main:
+        moved = checkpoint.set_aside(checkpoints_dir, damaged)
+        several = len(moved) > 1
+        print(f"warning: moved the damaged checkpoint step{'s' if several else ''} "
+              f"{', '.join(map(str, damaged))} out of {checkpoints_dir} to "
+              f"{', '.join(map(str, moved))}, as {'they were' if several else 'it was'} (this "
+              f"run saves {'them' if several else 'that step'} again)", file=sys.stderr,
+              flush=True)
+      _sync_processes("longformer_jax: damaged checkpoints set aside")
     writer = checkpoint.TrainCheckpoints(checkpoints_dir, keep=cfg.keep_checkpoints,
-                                         async_save=cfg.async_checkpoints, protect=damaged)
+                                         async_save=cfg.async_checkpoints)
   except BaseException:
     metrics_log.close()
     raise
@@ -554,12 +576,10 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           f"gradient norm {health['grad_norm']:.4g}"
           f"{'' if health['finite'] else ', non-finite values in the state'}); not saved. "
           f"{good_checkpoint(step)} {_RETRY}")
-    saved = writer.save(step, state.params, state.opt_state, {
+    writer.save(step, state.params, state.opt_state, {
         "step": step, "stage": stage_index, "sampler": batches.state(), "run": record})
-    if saved:
-      last_good = step
-    last_saved = step
-    return saved
+    last_good = last_saved = step
+    return True
 
   pbar = None
   if progress and is_main:

@@ -50,10 +50,13 @@ class Batches(Protocol):
 @dataclasses.dataclass(frozen=True)
 class FinalEvaluation:
   """What a task's final evaluation reports: `results`, merged into the run's results.json;
-  `files` (name -> text), written beside it, each whole or not at all; `lines`, printed."""
+  `files` (name -> text), written beside it, each whole or not at all; `lines`, printed; `step`:
+  the checkpoint step whose weights were scored (None: weights of no run's checkpoint), which
+  the entry point writes into results.json as "checkpoint_step" and prints."""
   results: dict[str, Any]
   files: dict[str, str] = dataclasses.field(default_factory=dict)
   lines: tuple[str, ...] = ()
+  step: int | None = None
 
 
 def restore(build_model: Callable[..., nnx.Module], cfg: TrainConfig, workdir, mesh: Mesh, *,
@@ -127,7 +130,8 @@ class Task(abc.ABC):
   def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
                        progress: bool = False) -> FinalEvaluation:
     """What the entry point runs after training (and with --eval-only): the run's checkpoint
-    scored on held-out data, as `cfg.final_eval` says (default: nothing)."""
+    scored on held-out data, as `cfg.final_eval` says, naming the step scored (default:
+    nothing)."""
     del cfg, workdir, mesh, progress
     return FinalEvaluation({})
 

@@ -1,25 +1,29 @@
 """Bits per character of a trained char-LM checkpoint, every character scored once.
 
+    python -m eval.bpc --workdir runs/char_tiny                      # the run's own context
     python -m eval.bpc --workdir runs/char_tiny --preset quick       # --context 1024 --stride 256
-    python -m eval.bpc --workdir gs://bucket/char_small --dataset enwik8 --split test  # paper
+    python -m eval.bpc --workdir gs://bucket/char_small --preset paper   # 32,256 / 512
     python -m eval.bpc --workdir runs/char_tiny --file README.md --context 512 --stride 256
 
 Protocols: "sliding" (the paper's: windows of --context bytes moved --stride at a time, each
 scoring its last --stride predictions, the first window scoring all of its own) and "chunks"
-(non-overlapping windows of --context bytes). The model comes from <workdir>/run_config.json,
-written by train.charlm, and the final stage's attention windows from the settings saved with the
-checkpoint (a run may have been extended); only the parameters of the checkpoint are read, and
-checked against the checksums saved with them: without --step the newest checkpoint that restores
-and verifies is scored (a damaged one is skipped with a one-line warning and left as it is); a
-damaged --step, or no usable checkpoint, is an error (exit status 1, one line). The same function
-(`tasks.charlm.evaluate_run`) scores the test split after training. Prints the BPC and writes JSON
-(default <workdir>/bpc_<dataset>_<split>_<protocol>.json,
-or bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can
-be written. A result that is not finite (broken weights) is an error: exit status 1, no JSON.
-Exit status: 0 done; 1 no run in --workdir, no usable checkpoint, or a result that is not finite
-(one `error:` line); 2 a bad setting, a --file or --dataset that cannot be scored, an output that
-cannot be written, or a run of another kind in --workdir (one `eval.bpc: error:` line naming
-it), each checked before the evaluation starts.
+(non-overlapping windows of --context bytes). Without --context the run's own is taken, and one
+line says which: the context (and stride) of its final_eval, else its last stage's sequence length
+(`tasks.charlm.run_context`); a stride not given is the final_eval's that goes with its context,
+else half the context, at most 512. The paper's 32,256 / 512 is --preset paper. The model comes
+from <workdir>/run_config.json, written by train.charlm, and the final stage's attention windows
+from the settings saved with the checkpoint (a run may have been extended); only the parameters of
+the checkpoint are read, and checked against the checksums saved with them: without --step the
+newest checkpoint that restores and verifies is scored (a damaged one is skipped with a one-line
+warning and left as it is); a damaged --step, or no usable checkpoint, is an error (exit status 1,
+one line). The same function (`tasks.charlm.evaluate_run`) scores the test split after training.
+Prints the BPC and writes JSON (default <workdir>/bpc_<dataset>_<split>_<protocol>.json, or
+bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can be
+written. A result that is not finite (broken weights) is an error: exit status 1, no JSON. Exit
+status: 0 done; 1 no run in --workdir, no usable checkpoint, or a result that is not finite (one
+`error:` line); 2 a bad setting, a --file or --dataset that cannot be scored, an output that cannot
+be written, or a run of another kind in --workdir (one `eval.bpc: error:` line naming it), each
+checked before the evaluation starts.
 """
 
 from __future__ import annotations
@@ -36,8 +40,7 @@ from longformer_jax.training import presets
 
 
 def paper() -> dict:
-  """The paper's evaluation (Longformer §4.2): 32,256-byte windows, each scoring its last 512
-  (the flags' defaults)."""
+  """The paper's evaluation (Longformer §4.2): 32,256-byte windows, each scoring its last 512."""
   return {"protocol": "sliding", "context": 32256, "stride": 512}
 
 
@@ -62,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--split", default=None, choices=("train", "validation", "test"),
                       help="of --dataset (default: test)")
   parser.add_argument("--protocol", default="sliding", choices=("sliding", "chunks"))
-  parser.add_argument("--context", type=positive_int, default=32256)
-  parser.add_argument("--stride", type=positive_int, default=512)
+  parser.add_argument("--context", type=positive_int, default=None,
+                      help="window bytes (default: the run's own, said in one line)")
+  parser.add_argument("--stride", type=positive_int, default=None,
+                      help="default: the run's with its context, else min(512, context / 2)")
   parser.add_argument("--score-last", type=positive_int, default=None, help="must equal --stride")
   parser.add_argument("--batch-size", type=positive_int, default=1, help="windows per forward pass")
   parser.add_argument("--max-bytes", type=positive_int, default=None, help="score only a prefix")

@@ -16,9 +16,10 @@ sequence length are the run's (--split, --step, --max-tokens, --batch-size choos
 With --init the model comes from a RoBERTa directory (made long by copying its positions to
 --seq-len, one-sided --window), an HF Longformer directory or a model checkpoint; --tokenizer
 defaults to --init's. Prints one line and writes JSON (default <workdir>/mlm_<split>.json, or
---output). Exit status: 0; 1 no checkpoint that restores, or a result that is not finite; 2 a bad
-argument or input, or a --workdir that holds another kind of run (one line saying what it is and
-which command scores it), before any evaluation.
+--output), both naming the checkpoint step scored ("step") with --workdir. Exit status: 0; 1 no
+checkpoint that restores, or a result that is not finite; 2 a bad argument or input, or a --workdir
+that holds another kind of run (one line saying what it is and which command scores it), before any
+evaluation.
 """
 
 from __future__ import annotations
@@ -82,10 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     usage_error(parser, e)
   except CheckpointError as e:
     return fail(e)
-  bpc = f", {result['bpc']:.4f} bpc" if "bpc" in result else ""
-  print(f"{result['dataset']} {args.split}: loss {result['loss']:.4f}, "
-        f"{result['bits_per_token']:.4f} bits per masked token{bpc} "
-        f"({result['masked_tokens']:,} targets)")
+  print(f"{result['dataset']} {mlm.describe(result)}")
   if not math.isfinite(result["loss"]):
     return fail(f"the result is not finite (loss {result['loss']}); nothing written")
   atomic_write(out, json.dumps(result, indent=2) + "\n")

@@ -1,15 +1,16 @@
 """Continued masked-LM pretraining of a Longformer (paper §5), then scoring the test split.
 
+    # CPU: a tiny model from scratch on the bundled enwik8 sample (= --preset mlm_tiny)
+    python -m train.mlm
     # the paper's run: roberta-base made long (positions copied), 65K steps of 64 x 4,096 tokens
-    python -m train.mlm --init ./roberta-base --data ./my-corpus/ --workdir gs://bucket/lf-base
-    # CPU: a tiny model from scratch on the bundled enwik8 sample, its own byte-level BPE
-    python -m train.mlm --preset mlm_tiny
+    python -m train.mlm --preset mlm_paper --init ./roberta-base --data ./my-corpus/
 
-Presets (`--preset`, default mlm_paper; or `--config FILE` with `get_config()`): mlm_paper,
-mlm_paper_large, mlm_tiny (`longformer_jax.tasks.mlm`). `--init DIR` starts from a RoBERTa
-directory (config.json + weights; made long by copying its positions up to the longest stage's
-sequence length, with the preset's window), an HF Longformer directory, or a project model
-checkpoint (`checkpoint.save_model`); the model's shape comes from there, its compute settings
+Presets (`--preset`, or `--config FILE` with `get_config()`): mlm_tiny (the default, a first try
+on a CPU), mlm_paper and mlm_paper_large (the paper's; only when named) (`tasks.mlm`). `--init
+DIR` (with the --preset or --config of its schedule) starts from a RoBERTa directory
+(config.json + weights; made long by copying its positions up to the longest stage's sequence
+length, with the preset's window), an HF Longformer directory, or a project model checkpoint
+(`checkpoint.save_model`); the model's shape comes from there, its compute settings
 (attention_impl, dtype, remat) from the preset. Without `--init` the preset's model starts from
 its seed.
 
@@ -27,8 +28,7 @@ from the newest checkpoint that verifies, and refuses to if the model, the data,
 the starting weights or the stages already trained differ. Exit status as every command's
 (`longformer_jax.cli.driver`); a bad `--init`, `--tokenizer` or `--data` (missing, empty, not
 UTF-8) is status 2 before training. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
-checkpoints/, tokenizer.json and results.json (the final test MLM scores; `python -m eval.mlm`
-scores any checkpoint).
+checkpoints/, tokenizer.json and results.json (the final test MLM scores; eval.mlm: any step).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class MLM(TrainCommand):
   prog = "train.mlm"
   doc = __doc__
   preset_task = "mlm"
-  default_preset = "mlm_paper"
+  default_preset = "mlm_tiny"
 
   def add_arguments(self, parser):
     parser.add_argument("--init", default=None, metavar="DIR",
@@ -61,6 +61,9 @@ class MLM(TrainCommand):
   def shorthands(self, args, cfg):
     from longformer_jax.tasks import mlm
     preset = None if args.config else (args.preset or self.default_preset)
+    if args.init is not None and not (args.config or args.preset):
+      raise ValueError("--init continues a pretrained model: name its schedule (--preset "
+                       "mlm_paper, the paper's, or a --config); the default trains from scratch")
     if preset in mlm.NEEDS_INIT and args.init is None:
       raise ValueError(f"preset {preset} continues a pretrained model (peak learning rate "
                        f"{cfg.stages[0].learning_rate}): give --init DIR (a RoBERTa), or train "
