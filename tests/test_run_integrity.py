@@ -518,7 +518,7 @@ def test_an_edited_run_config_is_refused_by_its_readers_before_any_work(files, r
   path = workdir / "run_config.json"
   record = json.loads(path.read_text())
   path.write_text(json.dumps({**record, "model": {**record["model"], "attention_dilation": 2}}))
-  before = _snapshot(workdir)
+  before = file_snapshot(workdir)
   for prog, main, args in (
       ("eval.bpc", bpc.main, ["--workdir", str(workdir), "--file", str(files / "eval.bin"),
                               "--context", "16", "--stride", "8", "--no-progress"]),
@@ -533,7 +533,7 @@ def test_an_edited_run_config_is_refused_by_its_readers_before_any_work(files, r
         f"{prog}: error: {path} is not the run's record: model.attention_dilation is 2 there, 1 "
         "in the run's record (sealed into checkpoint step 8). It was changed after the run "
         "started; put the run's values back\n")
-  assert _snapshot(workdir) == before
+  assert file_snapshot(workdir) == before
   path.write_text(json.dumps({**record, "eval_every": 1}))
   assert read_run(workdir, "charlm")[0]["eval_every"] == 1
 

@@ -18,6 +18,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -232,6 +233,17 @@ def shared_run(tmp_path_factory, name: str, make) -> Path:
         raise
       done.touch()
   return directory
+
+
+def shared_arrays(tmp_path_factory, name: str, compute) -> list[np.ndarray]:
+  """The arrays `compute()` returns (a pytree), computed once per session under `name`
+  (`shared_run`) and read back as a flat list: a reference result several test classes compare
+  against, computed by whichever worker asks first."""
+  def make(directory):
+    leaves = [np.asarray(x) for x in jax.tree.leaves(compute())]
+    np.savez(directory / "arrays.npz", *leaves)
+  with np.load(shared_run(tmp_path_factory, name, make) / "arrays.npz") as arrays:
+    return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
 
 
 @dataclasses.dataclass(frozen=True)
