@@ -139,6 +139,14 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   assert again["checkpoint_step"] == 4 and again["eval_only"]
   assert again["validation"] == results["validation"] and again["test"] == results["test"]
   assert again_predictions == predictions
+  # The run's classes are its training labels (0 and 1): a file with another is refused.
+  other_label = _write_jsonl(tmp_path / "other_label.jsonl", [{"text": "w1 good", "label": 2}])
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--task", "classification", "--eval-only", "--workdir", str(workdir),
+              "--tokenizer", data["tokenizer"], "--test", other_label, "--no-progress"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and err.count("\n") == 1, err
+  assert f"{other_label}:1: field 'label' is 2, not one of the model's num_labels=2" in err
 
   # The workdir as --model of another run: its encoder and its head (same task and size) load.
   other = tmp_path / "from_model"
