@@ -11,12 +11,15 @@ multiple_choice) owns its record layout and builds its rows with the `Reader` gi
 Records (one JSON object per line; `longformer_jax.data.text.read_jsonl`'s rules): the kind's
 fields, either text (tokenized without the tokenizer's special tokens) or token ids (taken as they
 are), one or the other in every record of a file, and an optional unique "id", a string or
-integer, naming the record in the predictions (default its line). Rows get the model's special
-tokens in RoBERTa's layout (HF's Longformer uses it): `<s> text </s>`, segments joined by
-`</s></s>`. Sequences longer than `max_length` lose the end of their document (questions are cut
-to `max_question_length` first). The global tokens of every layout are a prefix of the row
-(`Example.global_lengths`): none ("none"), `<s>` ("first") or `<s>` through the question (and
-the candidate) ("question").
+integer, naming the record in the predictions (default its line). Neither holds a special id of
+the model (`<s>`, `<pad>`, `</s>`: the rows get theirs below; a text that spells one is refused
+too), and an id record's optional "attention_mask" (as HF tokenizers write it) must be all 1:
+records hold real tokens only, and the rows are padded and masked when they are built. Rows get
+the model's special tokens in RoBERTa's layout (HF's Longformer uses it): `<s> text </s>`,
+segments joined by `</s></s>`. Sequences longer than `max_length` lose the end of their document
+(questions are cut to `max_question_length` first). The global tokens of every layout are a
+prefix of the row (`Example.global_lengths`): none ("none"), `<s>` ("first") or `<s>` through
+the question (and the candidate) ("question").
 
 A record that breaks the rules is a `text.JsonlError` naming the file, the line and the field.
 Shape letters: B batch, C candidates, N tokens.

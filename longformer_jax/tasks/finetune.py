@@ -58,8 +58,9 @@ class FinetuneOptions:
     or "question" (QA and multiple choice).
   max_question_length: question tokens kept (QA, multiple choice).
   max_answer_length: the longest answer span decoded, in tokens (QA; evaluation only).
-  label_names: token task: the tags in id order (default: the tags of the files, sorted with
-    "O" first; "0".."K" for integer tags). An "O" among them turns on the F1 metrics.
+  label_names: token task: the tags in id order (default: the tags of the training file,
+    sorted with "O" first; "0".."K" for integer tags; a tag of another file outside them is an
+    error). An "O" among them turns on the F1 metrics.
   roberta_positions, roberta_window: the position table and one-sided window of a Longformer
     made from a RoBERTa directory (`convert.roberta_to_longformer`).
   """
