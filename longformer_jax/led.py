@@ -56,7 +56,7 @@ from longformer_jax.encoder import LongformerLayer
 from longformer_jax.generation import SamplingConfig
 from longformer_jax.layers import activation, dense, embed, layer_norm, logical_axes, maybe_remat
 from longformer_jax.modeling import check_ids
-from longformer_jax.ops.validation import is_traced
+from longformer_jax.ops.validation import check_mask_values, is_traced
 from longformer_jax.pretrained import HFCheckpointMixin
 
 # torch.nn.LayerNorm's default: HF's LED builds every LayerNorm without an eps argument.
@@ -356,12 +356,14 @@ class LEDDecoder(_Embeddings):
 
 
 def _bool_mask(name: str, mask, shape: tuple[int, ...], like: str) -> jax.Array | None:
-  """`mask != 0`, after checking it has the shape of the array called `like`."""
+  """`mask != 0`, after checking it has the shape of the array called `like` and, when it is
+  concrete, that it holds only 0 and 1 (`check_mask_values`; under jit nonzero counts as 1)."""
   if mask is None:
     return None
   mask = jnp.asarray(mask)
   if mask.shape != shape:
     raise ValueError(f"{name} has shape {mask.shape}; expected the shape of {like}, {shape}")
+  check_mask_values(name, mask)
   return mask != 0
 
 

@@ -31,7 +31,7 @@ from flax import nnx
 from longformer_jax.config import LongformerConfig
 from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
 from longformer_jax.layers import attend, dense, layer_norm, logical_axes, maybe_remat
-from longformer_jax.ops.validation import is_traced
+from longformer_jax.ops.validation import check_mask_values, is_traced
 from longformer_jax.pretrained import HFCheckpointMixin
 
 
@@ -150,6 +150,9 @@ class LongformerModel(HFCheckpointMixin, nnx.Module):
         are given).
       attention_mask: [B, N], 1 (or True) for real tokens, 0 for padding; default all real.
       global_attention_mask: [B, N], 1 for tokens with global attention; default none.
+        Both masks hold 0 and 1 (or bools): another value (0.5, 2) is a ValueError naming it
+        and its position when the mask is concrete; under jit it is not checked, and any
+        nonzero value counts as 1 (`ops.validation.check_mask_values`).
       token_type_ids: [B, N]; default zeros.
       position_ids: [B, N]; default RoBERTa positions computed from the pad token.
       max_global: static bound on global tokens per row, needed under jit with a global mask.
@@ -164,8 +167,10 @@ class LongformerModel(HFCheckpointMixin, nnx.Module):
           f"{c.max_sequence_length} (max_position_embeddings={c.max_position_embeddings}, "
           f"positions start at pad_token_id + 1 = {c.pad_token_id + 1})")
     mask_BxN = _check_like_ids("attention_mask", attention_mask, shape)
+    check_mask_values("attention_mask", attention_mask)
     mask_BxN = jnp.ones(shape, bool) if mask_BxN is None else mask_BxN != 0
     global_BxN = _check_like_ids("global_attention_mask", global_attention_mask, shape)
+    check_mask_values("global_attention_mask", global_attention_mask)
     if global_BxN is not None:
       global_BxN = (global_BxN != 0) & mask_BxN  # a padding token is never global
       if max_global is None and not is_traced(global_BxN):

@@ -363,6 +363,34 @@ def test_mismatched_shapes_and_dtypes_are_named():
     ops.longformer_attention(q.astype(jnp.int32), q, q, window=1)
 
 
+@pytest.mark.parametrize("impl", ["reference", "chunked"])
+def test_masks_hold_0_and_1_and_nonzero_counts_as_1_under_jit(impl):
+  """A concrete mask (NumPy or jax.Array, either mask) with another value than 0 and 1 is a
+  ValueError naming the value and its position; under jit the values are not known (nor read:
+  no host sync), and the op reads any nonzero value as 1, in every implementation."""
+  q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+  gqkv = (q, q, q)
+  ones = np.ones((2, 8), np.float32)
+  ones[1, 6:] = 0
+  for name, value in (("attention_mask", 0.5), ("attention_mask", 2.0),
+                      ("attention_mask", np.nan), ("global_mask", 2.0)):
+    mask = ones.copy()
+    mask[1, 3] = value
+    given = {"attention_mask": ones, "global_mask": np.zeros_like(ones), name: mask}
+    for array in (np.asarray, jnp.asarray):
+      with pytest.raises(ValueError, match=rf"{name} holds {value!r} at \(1, 3\); expected 0 "
+                                           rf"or 1 \(or bool\)"):
+        ops.longformer_attention(q, q, q, window=2, impl=impl, global_qkv=gqkv,
+                                 **{k: array(m) for k, m in given.items()})
+  ops.longformer_attention(q, q, q, window=2, impl=impl, attention_mask=ones.astype(bool))
+  run = jax.jit(lambda am, gm: ops.longformer_attention(
+      q, q, q, window=2, impl=impl, attention_mask=am, global_mask=gm, global_qkv=gqkv,
+      max_global=1))
+  odd_am, odd_gm = ones * np.array([1, 2, 0.5, 1, 3, 1, 1, 1], np.float32), np.zeros_like(ones)
+  odd_gm[0, 1] = 2.0
+  np.testing.assert_array_equal(run(odd_am, odd_gm), run(ones, (odd_gm != 0).astype(np.float32)))
+
+
 def test_traced_global_mask_needs_max_global():
   q = jnp.ones((1, 6, 1, 4))
   f = jax.jit(lambda gm: ops.longformer_attention(q, q, q, window=1, global_mask=gm,

@@ -187,6 +187,16 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   assert not (workdir / "eval_results.json").exists()
   assert {name: (workdir / name).read_bytes() for name in kept} == {
       **kept, "run_config.json": (workdir / "run_config.json").read_bytes()}
+  (workdir / "run_config.json").write_bytes(kept["run_config.json"])  # the run's record again
+
+  # The run's classes are its training labels (0 and 1): a file with another is refused.
+  other_label = _write_jsonl(tmp_path / "other_label.jsonl", [{"text": "w1 good", "label": 2}])
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main(["--task", "classification", "--eval-only", "--workdir", str(workdir),
+              "--tokenizer", data["tokenizer"], "--test", other_label, "--no-progress"])
+  err = capsys.readouterr().err
+  assert exit_info.value.code == 2 and err.count("\n") == 1, err
+  assert f"{other_label}:1: field 'label' is 2, not one of the model's num_labels=2" in err
 
   # A damaged newest checkpoint: the rerun moves it aside as it is, resumes from step 2, saves
   # step 4 again (it verifies) and scores it: the results of the undamaged run.
@@ -208,7 +218,6 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   assert retrained_predictions == predictions
 
   # The workdir as --model of another run: its encoder and its head (same task and size) load.
-  (workdir / "run_config.json").write_bytes(kept["run_config.json"])
   other = tmp_path / "from_model"
   assert cli.main(_command(data, "classification", other, "--eval-only", "--model",
                            str(workdir))) == 0

@@ -283,6 +283,11 @@ def test_bad_inputs_raise_clear_errors():
   global_mask = jnp.zeros((2, 8), int).at[1, 7].set(1)
   with pytest.raises(ValueError, match="marks 1 padding token.*row 1, position 7"):
     model(jnp.full((2, 8), 5), mask, decoder_input_ids=dec, global_attention_mask=global_mask)
+  with pytest.raises(ValueError, match=r"attention_mask holds 2 at \(1, 3\); expected 0 or 1"):
+    model(jnp.full((2, 8), 5), mask.at[1, 3].set(2), decoder_input_ids=dec)
+  with pytest.raises(ValueError, match=r"decoder_attention_mask holds 0.5 at \(0, 1\)"):
+    model(jnp.full((1, 8), 5), decoder_input_ids=dec,
+          decoder_attention_mask=jnp.ones((1, 4)).at[0, 1].set(0.5))
   with pytest.raises(ValueError, match="max_length=25 must be an int in \\[1, "
                                        "max_decoder_position_embeddings=24\\]"):
     model.init_cache(encoded, max_length=25)

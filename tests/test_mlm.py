@@ -427,6 +427,9 @@ def test_task_checks_name_the_bad_value(tokenizer):
   with pytest.raises(ValueError, match="the tokenizer has 300 ids; the model's vocabulary holds "
                                        "100"):
     task.check(dataclasses.replace(cfg, model=small))
+  with pytest.raises(ValueError, match="the tokenizer's <pad> is id 1, the model's pad_token_id "
+                                       "is 3: it is not this model's tokenizer"):
+    task.check(dataclasses.replace(cfg, model=cfg.model.replace(pad_token_id=3)))
   with pytest.raises(ValueError, match="has shape"):
     params = nnx.state(nnx.eval_shape(lambda: LongformerForMaskedLM(cfg.model, rngs=nnx.Rngs(0))),
                        nnx.Param)

@@ -166,6 +166,29 @@ def test_bad_inputs_raise_clear_errors():
     eval_model(modeling.LongformerForQuestionAnswering, num_labels=3)
 
 
+def test_masks_hold_0_and_1_and_nonzero_counts_as_1_under_jit():
+  """Concrete masks with another value than 0 and 1 are refused naming it and its position
+  (HF's internal attention mask marks global tokens with 2: here it would be a local token);
+  under jit they cannot be read, and any nonzero value counts as 1, as in the op."""
+  model = eval_model(modeling.LongformerForSequenceClassification)
+  ids, mask, global_mask = inputs()
+  for name, value in (("attention_mask", 0.5), ("attention_mask", 2),
+                      ("global_attention_mask", 2)):
+    given = {"attention_mask": mask, "global_attention_mask": global_mask}
+    given[name] = given[name].astype(jnp.float32).at[1, 4].set(value)
+    with pytest.raises(ValueError, match=rf"{name} holds {float(value)!r} at \(1, 4\); "
+                                         rf"expected 0 or 1 \(or bool\)"):
+      model(ids, given["attention_mask"], given["global_attention_mask"])
+  eager = model(ids, mask.astype(bool), global_mask).logits
+
+  @nnx.jit
+  def run(model, mask, global_mask):
+    return model(ids, mask, global_mask, max_global=3).logits
+
+  odd_mask = mask * jnp.array([2, 1, 7] + [1] * (SEQ - 3))  # nonzero: real
+  np.testing.assert_allclose(run(model, odd_mask, global_mask * 2), eager, atol=1e-6, rtol=0)
+
+
 def test_padding_is_invisible():
   """Padding up to the longest input the position table holds (38 tokens, a multiple of no
   window) leaves the real tokens' outputs as they were: the op's internal padding never shows."""

@@ -276,6 +276,26 @@ def test_finetune_settings_resolve_config_then_flags_then_set(capsys, tmp_path):
   assert (stage["steps"], stage["seq_len"], stage["learning_rate"]) == (150, 128, 3e-3)
   assert printed["config"]["model"]["hidden_size"] == 64  # the tiny model
   assert not (tmp_path / "run").exists()
+  # Inputs refused in one line, status 2, before anything is written: a validation label the
+  # training records never name (the head is sized by them, 3 classes), and a tokenizer without
+  # <s> and <pad> (its ids 0 and 1 are ordinary tokens, which the rows would take for them).
+  valid = tmp_path / "valid.jsonl"
+  valid.write_text(json.dumps({"input_ids": [5], "label": 1}) + "\n"
+                   + json.dumps({"input_ids": [6], "label": 7}) + "\n")
+  from tokenizers import Tokenizer, models
+  Tokenizer(models.WordLevel({"a": 0, "b": 1, "</s>": 2, "<unk>": 3}, unk_token="<unk>")).save(
+      str(tmp_path / "tokenizer.json"))
+  _, main = _entry_point(_scripts()["longformer-train-finetune"])
+  for extra, message in (
+      (["--validation", str(valid)], f"{valid}:2: field 'label' is 7, not one of the model's "
+                                     f"num_labels=3 classes 0..2"),
+      (["--tokenizer", str(tmp_path / "tokenizer.json")],
+       "the tokenizer has no <s>, <pad> token(s): the model needs <s>, <pad>, </s>")):
+    with pytest.raises(SystemExit) as exit_info:
+      main(base + extra + ["--print-config"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1 and message in err, err
+  assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("setting, message", [

@@ -11,12 +11,15 @@ multiple_choice) owns its record layout and builds its rows with the `Reader` gi
 Records (one JSON object per line; `longformer_jax.data.text.read_jsonl`'s rules): the kind's
 fields, either text (tokenized without the tokenizer's special tokens) or token ids (taken as they
 are), one or the other in every record of a file, and an optional unique "id", a string or
-integer, naming the record in the predictions (default its line). Rows get the model's special
-tokens in RoBERTa's layout (HF's Longformer uses it): `<s> text </s>`, segments joined by
-`</s></s>`. Sequences longer than `max_length` lose the end of their document (questions are cut
-to `max_question_length` first). The global tokens of every layout are a prefix of the row
-(`Example.global_lengths`): none ("none"), `<s>` ("first") or `<s>` through the question (and
-the candidate) ("question").
+integer, naming the record in the predictions (default its line). Neither holds a special id of
+the model (`<s>`, `<pad>`, `</s>`: the rows get theirs below; a text that spells one is refused
+too), and an id record's optional "attention_mask" (as HF tokenizers write it) must be all 1:
+records hold real tokens only, and the rows are padded and masked when they are built. Rows get
+the model's special tokens in RoBERTa's layout (HF's Longformer uses it): `<s> text </s>`,
+segments joined by `</s></s>`. Sequences longer than `max_length` lose the end of their document
+(questions are cut to `max_question_length` first). The global tokens of every layout are a
+prefix of the row (`Example.global_lengths`): none ("none"), `<s>` ("first") or `<s>` through
+the question (and the candidate) ("question").
 
 A record that breaks the rules is a `text.JsonlError` naming the file, the line and the field.
 Shape letters: B batch, C candidates, N tokens.
@@ -25,6 +28,8 @@ Shape letters: B batch, C candidates, N tokens.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -157,11 +162,13 @@ def read_split(path: str | os.PathLike, kind: RecordLayout, tokenizer, *, max_le
   if not isinstance(max_length, int) or max_length < 8:
     raise ValueError(f"max_length must be an int >= 8, got {max_length!r}")
   path = os.fspath(path)
-  records = text.read_jsonl(path, kind.required, optional={**kind.documents, "id": (str, int)},
-                            unique=("id",))
+  records = text.read_jsonl(path, kind.required, optional={
+      **kind.documents, "id": (str, int), "attention_mask": list}, unique=("id",))
   names = None if label_names is None else tuple(label_names)
   reader = Reader(path, tokenizer, specials, vocab_size, max_length, max_question_length, names)
   by_text = reader.kinds(records, tuple(kind.documents))
+  for r in records:
+    reader.attention_mask(r)
   examples = tuple(kind.featurise(reader, r, by_text) for r in records)
   return FinetuneSplit(
       kind=kind, path=path, sha256=text.file_sha256(path),
@@ -216,7 +223,9 @@ class Reader:
     return first[0]
 
   def ids(self, record, field: str, value, *, what: str | None = None) -> np.ndarray:
-    """A JSON list of token ids, checked (ints in the vocabulary)."""
+    """A JSON list of token ids, checked: ints in the vocabulary, none of them a special id
+    (the rows get their `<s>`, `</s>` and `<pad>` here, so one in a record would be a second
+    one, or padding the model attends to)."""
     what = what or field
     if not isinstance(value, list) or not value:
       raise self.error(record, field, f"{what} must be a non-empty list of token ids")
@@ -224,10 +233,50 @@ class Reader:
       if not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < self.vocab_size:
         raise self.error(record, field, f"{what}: element {i} must be a token id in [0, "
                          f"{self.vocab_size}) (the model's vocabulary), got {x!r}")
+      if x in self._special_names:
+        raise self.error(record, field, f"{what}: element {i} is {x}, the model's "
+                         f"{self._special_names[x]}: records hold the ids of their text only "
+                         f"(rows get <s> ... </s> and <pad> when they are built)")
     return np.asarray(value, np.int32)
 
+  @functools.cached_property
+  def _special_names(self) -> dict[int, str]:
+    """{id: name} of the special ids no record may hold."""
+    s = self.specials
+    names = {s.sep: "separator (sep_token_id)", s.bos: "<s> (bos_token_id)",
+             s.pad: "<pad> (pad_token_id)", s.eos: "</s> (eos_token_id)"}
+    if s.mask is not None:
+      names[s.mask] = "<mask>"
+    return {**{i: "special token" for i in s.special}, **names}
+
+  def attention_mask(self, record) -> None:
+    """Checks a record's optional "attention_mask" (HF tokenizers write one beside input_ids):
+    it goes with "input_ids", one value per id, each 1 (or true). A 0 (padding) is refused too:
+    records hold real tokens only, and rows are padded (and masked) when they are built."""
+    mask = record.fields.get("attention_mask")
+    if mask is None:
+      return
+    ids = record.fields.get("input_ids")
+    if ids is None:
+      raise self.error(record, "attention_mask", "goes with \"input_ids\" (a text record's "
+                       "mask is made from its tokens)")
+    if len(mask) != len(ids):
+      raise self.error(record, "attention_mask", f"has {len(mask)} values for {len(ids)} "
+                       f"input_ids")
+    for i, x in enumerate(mask):
+      if x is True or (type(x) in (int, float) and x == 1):
+        continue
+      if x is False or (type(x) in (int, float) and x == 0):
+        problem = ("padding in a record: drop the padded positions from input_ids and "
+                   "attention_mask (rows are padded when they are built)")
+      else:
+        problem = "expected 1 or true (a mask holds 0 or 1; every id of a record is real)"
+      raise self.error(record, "attention_mask", f"element {i} is {json.dumps(x)[:40]}: "
+                       f"{problem}")
+
   def encode(self, record, field: str, content: str) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, character offsets [n, 2]) of a text, without special tokens."""
+    """(ids, character offsets [n, 2]) of a text, without special tokens (a text that spells
+    one, e.g. a literal "</s>" the tokenizer reads as its special token, is an error)."""
     enc = self.tokenizer.encode(content, add_special_tokens=False)
     ids = np.asarray(enc.ids, np.int32)
     if not len(ids):
@@ -236,6 +285,12 @@ class Reader:
       raise self.error(record, field, f"tokenizes to id {int(ids.max())}, outside the model's "
                        f"vocabulary (vocab_size={self.vocab_size}): the tokenizer does not "
                        f"belong to this model")
+    special = np.flatnonzero(np.isin(ids, list(self._special_names)))
+    if len(special):
+      i = int(special[0])
+      raise self.error(record, field, f"token {i} is {enc.tokens[i]!r}, the model's "
+                       f"{self._special_names[int(ids[i])]}: the text spells a special token "
+                       f"(rows get <s> ... </s> and <pad> when they are built)")
     return ids, np.asarray(enc.offsets, np.int32).reshape(-1, 2)
 
   def content(self, record, by_text: bool, text_field: str = "text"

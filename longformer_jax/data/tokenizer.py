@@ -9,6 +9,8 @@
   ROBERTA_SPECIAL_TOKENS   RoBERTa's special token strings, in its id order
   SpecialIds               the special ids rows are built with (one dataclass for every task)
   special_ids              a RoBERTa-style tokenizer's `SpecialIds`, <mask> included (MLM)
+  special_token_ids        the ids of the special tokens a model needs, or a ValueError naming
+                           every one the tokenizer lacks
   load_tokenizer           a `tokenizers.Tokenizer` from local files (nothing is downloaded)
   tokenizer_file           the tokenizer.json a path names
   token_id                 a token's id, or a ValueError naming the token
@@ -26,13 +28,17 @@ import hashlib
 import os
 
 __all__ = [
-    "ROBERTA_SPECIAL_TOKENS", "SpecialIds", "check_tokenizer", "load_tokenizer", "special_ids",
-    "token_id", "tokenizer_file", "tokenizer_sha256",
+    "MODEL_SPECIAL_TOKENS", "ROBERTA_SPECIAL_TOKENS", "SpecialIds", "check_tokenizer",
+    "load_tokenizer", "special_ids", "special_token_ids", "token_id", "tokenizer_file",
+    "tokenizer_sha256",
 ]
 
 # RoBERTa's special tokens in RoBERTa's id order (<s> 0, <pad> 1, </s> 2, <unk> 3); its <mask> is
 # the last id of its vocabulary (that of `data.tokenized.train_bpe` is 4).
 ROBERTA_SPECIAL_TOKENS = ("<s>", "<pad>", "</s>", "<unk>", "<mask>")
+# The special tokens every model of the package builds its rows with (RoBERTa's and BART's):
+# `<s>` (bos_token_id), `<pad>` (pad_token_id), `</s>` (eos_token_id, also the separator).
+MODEL_SPECIAL_TOKENS = ("<s>", "<pad>", "</s>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,14 +66,25 @@ class SpecialIds:
                sep=config.sep_token_id)
 
 
+def special_token_ids(tokenizer, tokens=MODEL_SPECIAL_TOKENS, *, needed_by: str = "the model"
+                      ) -> dict[str, int]:
+  """{token: id} of the special `tokens` in `tokenizer`'s vocabulary; ValueError naming every one
+  it lacks. A tokenizer without them cannot be the model's: the rows' special ids would be ids
+  of ordinary tokens of this tokenizer."""
+  ids = {token: tokenizer.token_to_id(token) for token in tokens}
+  missing = [token for token, i in ids.items() if i is None]
+  if missing:
+    raise ValueError(f"the tokenizer has no {', '.join(missing)} token(s): {needed_by} needs "
+                     f"{', '.join(tokens)} (RoBERTa's and BART's special tokens); without them "
+                     f"the rows' special ids would be ids of its ordinary tokens")
+  return ids
+
+
 def special_ids(tokenizer) -> SpecialIds:
   """`<s>`, `<pad>`, `</s>` (also the separator), `<mask>` of a RoBERTa-style tokenizer, and all
   its special ids; ValueError naming the tokens it lacks."""
-  ids = {name: tokenizer.token_to_id(name) for name in ("<s>", "<pad>", "</s>", "<mask>")}
-  missing = [name for name, i in ids.items() if i is None]
-  if missing:
-    raise ValueError(f"the tokenizer has no {missing} token(s); MLM pretraining needs RoBERTa's "
-                     f"<s>, <pad>, </s> and <mask>")
+  ids = special_token_ids(tokenizer, MODEL_SPECIAL_TOKENS + ("<mask>",),
+                          needed_by="MLM pretraining")
   special = {i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
   special |= set(ids.values())
   unk = tokenizer.token_to_id("<unk>")
@@ -138,14 +155,16 @@ def tokenizer_sha256(tokenizer) -> str:
 
 def check_tokenizer(tokenizer, config) -> None:
   """ValueError when `tokenizer` cannot be the model's (`config`: a `LongformerConfig` or an
-  `LEDConfig`): more tokens than the embedding table, or `<pad>` / `</s>` at other ids than the
-  config's pad and EOS ids."""
+  `LEDConfig`): no `<s>`, `<pad>` or `</s>` (`special_token_ids`; the rows are built with
+  them), more tokens than the embedding table, or `<s>` / `<pad>` / `</s>` at other ids than
+  the config's bos, pad and EOS ids."""
+  ids = special_token_ids(tokenizer)
   size = tokenizer.get_vocab_size()
   if size > config.vocab_size:
     raise ValueError(f"the tokenizer has {size:,} tokens, the model's vocabulary "
                      f"{config.vocab_size:,}: it is not this model's tokenizer")
-  for token, field in (("<pad>", "pad_token_id"), ("</s>", "eos_token_id")):
-    index = tokenizer.token_to_id(token)
-    if index is not None and index != getattr(config, field):
-      raise ValueError(f"the tokenizer's {token} is id {index}, the model's {field} is "
+  for token, field in (("<s>", "bos_token_id"), ("<pad>", "pad_token_id"),
+                       ("</s>", "eos_token_id")):
+    if ids[token] != getattr(config, field):
+      raise ValueError(f"the tokenizer's {token} is id {ids[token]}, the model's {field} is "
                        f"{getattr(config, field)}: it is not this model's tokenizer")

@@ -37,7 +37,39 @@ def _check_mask(name: str, mask, batch: int, seq: int):
   mask = jnp.asarray(mask)
   if mask.shape != (batch, seq):
     raise ValueError(f"{name} has shape {mask.shape}; expected (batch, seq) = {(batch, seq)}")
-  return mask.astype(bool)
+  check_mask_values(name, mask)
+  return mask != 0
+
+
+def check_mask_values(name: str, mask) -> None:
+  """ValueError naming the first value of a concrete mask that is neither 0 nor 1 (a bool mask
+  always passes), with its position: 0.5, 2, -1 or NaN would count as 1, and HF's internal
+  attention mask, where 2 marks a global token, would silently make that token local.
+
+  The masks are read as `mask != 0` everywhere (the models and every implementation of the op).
+  A traced mask (under jit, or a jnp value staged by an outer trace) is not checked: its values
+  are unknown while tracing, and a check would need the device's answer; there a nonzero value
+  counts as 1. A NumPy mask is checked on the host; a concrete jax.Array is reduced on its
+  device to one bool (it may be a global array sharded over processes).
+  """
+  if mask is None or is_traced(mask):
+    return
+  if not isinstance(mask, jax.Array):
+    mask = np.asarray(mask)
+  if mask.dtype == bool:
+    return
+  bad = (mask != 0) & (mask != 1)
+  if isinstance(mask, jax.Array):
+    if is_traced(bad) or not bool(jnp.any(bad)):
+      return
+    flat = int(jnp.argmax(bad.reshape(-1)))
+  else:
+    if not bad.any():
+      return
+    flat = int(np.argmax(bad.reshape(-1)))
+  position = tuple(int(i) for i in np.unravel_index(flat, mask.shape))
+  value = np.asarray(mask.reshape(-1)[flat]).item()
+  raise ValueError(f"{name} holds {value!r} at {position}; expected 0 or 1 (or bool)")
 
 
 def is_traced(x) -> bool:

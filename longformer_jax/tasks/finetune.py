@@ -60,8 +60,9 @@ class FinetuneOptions:
     or "question" (QA and multiple choice).
   max_question_length: question tokens kept (QA, multiple choice).
   max_answer_length: the longest answer span decoded, in tokens (QA; evaluation only).
-  label_names: token task: the tags in id order (default: the tags of the files, sorted with
-    "O" first; "0".."K" for integer tags). An "O" among them turns on the F1 metrics.
+  label_names: token task: the tags in id order (default: the tags of the training file,
+    sorted with "O" first; "0".."K" for integer tags; a tag of another file outside them is an
+    error). An "O" among them turns on the F1 metrics.
   roberta_positions, roberta_window: the position table and one-sided window of a Longformer
     made from a RoBERTa directory (`convert.roberta_to_longformer`).
   """
@@ -352,16 +353,22 @@ def run_settings(workdir, task: str, max_length: int | None = None,
 
 
 def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokenizer,
-                cfg: TrainConfig, options: FinetuneOptions,
-                label_files: Sequence[str | os.PathLike] | None = None
+                cfg: TrainConfig, options: FinetuneOptions, new_run: bool = False
                 ) -> dict[str, fd.FinetuneSplit]:
   """The files `paths` ({split name: JSONL path or None}) featurised for `task` at the run's
-  row length (`fd.read_split`), by name; None paths are left out. label_files: a new run's
-  files, whose labels name the head's (`Kind.label_names`); None: `options.label_names` (a
-  run's own)."""
+  row length (`fd.read_split`), by name; None paths are left out.
+
+  The label names (tagging) are `options.label_names` when given (a run's own are in its
+  record), else, for a `new_run`, the tags of its training file (`Kind.label_names`): a tag of
+  the validation or test file that training never saw is an error naming its file and line, not
+  a new class. Without a training file (scoring a model without training) the given files name
+  them."""
   kind = get_kind(task)
-  label_names = (options.label_names if label_files is None
-                 else kind.label_names(list(label_files), options.label_names))
+  label_names = options.label_names
+  if new_run:
+    named_by = [paths["train"]] if paths.get("train") is not None else [
+        p for p in paths.values() if p is not None]
+    label_names = kind.label_names(named_by, options.label_names)
   return {name: fd.read_split(path, kind, tokenizer, max_length=cfg.stages[0].seq_len,
                               specials=SpecialIds.of_config(cfg.model),
                               vocab_size=cfg.model.vocab_size,
@@ -372,11 +379,21 @@ def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokeni
 
 def fit_head(task: str, cfg: TrainConfig, splits: Mapping[str, fd.FinetuneSplit],
              source: ModelSource | None) -> TrainConfig:
-  """`cfg` with the head sized for the splits starting from `source` (`Kind.num_labels`;
-  source None: model.num_labels kept), after checking every split's labels fit it."""
+  """`cfg` with the head sized starting from `source` (`Kind.num_labels`; source None:
+  model.num_labels kept), after checking every split's labels fit it.
+
+  The training split alone sizes the head: a validation or test label beyond its classes is an
+  error naming the file and line (the run's config records the size). Without one (scoring a
+  model without training), a source with the kind's head keeps its size; other sources get a
+  new head sized by the given splits."""
   kind = get_kind(task)
   if source is not None:
-    size = kind.num_labels(list(splits.values()), source)
+    if "train" in splits:
+      size = kind.num_labels([splits["train"]], source)
+    elif source.model_class == kind.model_class.__name__:
+      size = source.config.num_labels
+    else:
+      size = kind.num_labels(list(splits.values()), source)
     cfg = dataclasses.replace(cfg, model=cfg.model.replace(num_labels=size))
   for split in splits.values():
     kind.check_labels(split, cfg.model)

@@ -264,11 +264,14 @@ class Classification(Kind):
     return max(2, largest + 1)
 
   def check_labels(self, split, config):
+    """A label beyond the head's classes (a class the training records never name) is an
+    error: it would be scored against a logit no record trained."""
     for e in split.examples:
       if e.label >= config.num_labels:
-        raise text.JsonlError(split.path, e.line, "label", f"is {e.label}, but the model has "
-                              f"num_labels={config.num_labels} classes (0..."
-                              f"{config.num_labels - 1})")
+        raise text.JsonlError(split.path, e.line, "label", f"is {e.label}, not one of the "
+                              f"model's num_labels={config.num_labels} classes 0.."
+                              f"{config.num_labels - 1} (a new run's are its training "
+                              f"labels; --set model.num_labels=N for more)")
 
 
 @register
@@ -446,7 +449,8 @@ class Tagging(Kind):
           and 0 <= label < len(names) else None)
       if index is None:
         raise reader.error(record, "labels", f"element {i} is {label!r}, not one of the "
-                           f"{len(names)} labels {list(names)[:20]}")
+                           f"{len(names)} labels {list(names)[:20]} (a new run's are the tags of "
+                           f"its training file; --set label_names=... names them all)")
       label_ids.append(index)
     keep = reader.max_length - 2
     row = np.concatenate([[s.bos], ids[:keep], [s.eos]]).astype(np.int32)

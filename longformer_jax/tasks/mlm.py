@@ -44,7 +44,8 @@ from jax.sharding import Mesh
 
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import tokenized
-from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer, special_ids, tokenizer_sha256
+from longformer_jax.data.tokenizer import (SpecialIds, check_tokenizer, load_tokenizer, special_ids,
+                                           tokenizer_sha256)
 from longformer_jax.modeling import LongformerForMaskedLM, masked_positions
 from longformer_jax.training import examples
 from longformer_jax.training.config import Stage, TrainConfig, check_int, final_eval_settings
@@ -302,6 +303,7 @@ class MLMTask(Task):
     if self.vocab_size > model.vocab_size:
       raise ValueError(f"the tokenizer has {self.vocab_size} ids; the model's vocabulary holds "
                        f"{model.vocab_size} (model.vocab_size)")
+    check_tokenizer(self.tokenizer, model)  # <s>, <pad>, </s> at the model's ids
     for i, stage in enumerate(cfg.stages):
       if stage.windows is not None:
         raise ValueError(f"stages[{i}].windows={stage.windows}: the MLM model's windows are "

@@ -38,7 +38,7 @@ from jax.sharding import Mesh
 from longformer_jax import led
 from longformer_jax.config import LEDConfig
 from longformer_jax.data import text
-from longformer_jax.data.tokenizer import token_id
+from longformer_jax.data.tokenizer import special_token_ids, token_id
 from longformer_jax.training.config import Stage, TrainConfig, check_int, final_eval_settings
 from longformer_jax.training import examples
 from longformer_jax.training import presets
@@ -407,11 +407,10 @@ def load_source(spec: str, tokenizer=None, *, bart_positions: int = 16384,
   def preset(name):
     if tokenizer is None:
       raise ValueError(f"the preset {name!r} takes its vocabulary from a tokenizer; give one")
-    eos = token_id(tokenizer, "</s>")
+    ids = special_token_ids(tokenizer, needed_by="the LED")
     return getattr(LEDConfig, name)(
-        vocab_size=tokenizer.get_vocab_size(), pad_token_id=token_id(tokenizer, "<pad>"),
-        bos_token_id=token_id(tokenizer, "<s>"), eos_token_id=eos,
-        decoder_start_token_id=eos)
+        vocab_size=tokenizer.get_vocab_size(), pad_token_id=ids["<pad>"],
+        bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], decoder_start_token_id=ids["</s>"])
 
   hf = {"led": functools.partial(convert.from_hf, model_class=led.LEDForConditionalGeneration),
         "bart": functools.partial(convert.bart_to_led, max_positions=bart_positions,

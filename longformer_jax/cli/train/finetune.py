@@ -107,12 +107,11 @@ class Finetune(TrainCommand):
     from longformer_jax.tasks import finetune
     if self.tokenizer is not None:
       check_tokenizer(self.tokenizer, cfg.model)
-    files = {"train": args.train, "validation": args.validation, "test": args.test}
-    label_files = None if self.run is not None else [p for p in files.values() if p]
-    # --eval-only reads no training file (a new run's labels are named by all of them).
-    self.splits = finetune.read_splits(
-        args.task, {**files, "train": None if args.eval_only else args.train}, self.tokenizer,
-        cfg, options, label_files)
+    files = {"train": None if args.eval_only else args.train, "validation": args.validation,
+             "test": args.test}
+    # A new run's labels are its training file's; a trained run's, its own (options).
+    self.splits = finetune.read_splits(args.task, files, self.tokenizer, cfg, options,
+                                       new_run=self.run is None)
     sized = any(a.partition("=")[0].strip() == "model.num_labels" for a in args.set)
     return finetune.fit_head(args.task, cfg, self.splits, None if sized else self.source)
 
