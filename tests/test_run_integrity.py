@@ -538,6 +538,35 @@ def test_an_edited_run_config_is_refused_by_its_readers_before_any_work(files, r
   assert read_run(workdir, "charlm")[0]["eval_every"] == 1
 
 
+def test_sigterm_during_the_final_evaluation_exits_75_and_writes_nothing(files, reference, capsys,
+                                                                        monkeypatch):
+  """SIGTERM after training, while the final evaluation runs (before, the default action ended
+  the process with status 143 and no word): status 75 and one line; neither results.json (the
+  reference run's, written without a final evaluation) nor the checkpoints change, so the same
+  command evaluates again."""
+  import os
+  from longformer_jax.cli.train import charlm
+  from longformer_jax.tasks.charlm import CharLMTask
+  workdir = _copy(reference, "sigterm-eval")
+  results = (workdir / "results.json").read_bytes()
+  before, handler = file_snapshot(workdir / "checkpoints"), signal.getsignal(signal.SIGTERM)
+
+  def final_evaluation(*args, **kwargs):
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(30)  # the handler raises before this ends
+    raise AssertionError("SIGTERM did not interrupt the final evaluation")
+
+  monkeypatch.setattr(CharLMTask, "final_evaluation", final_evaluation)
+  command = [a for a in _train_command(files, workdir)[3:] if a != "--skip-final-eval"]
+  assert charlm.main(command) == 75
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      "SIGTERM during the final evaluation (training is saved at step 8): nothing written; "
+      "rerun the same command to evaluate")
+  assert (workdir / "results.json").read_bytes() == results
+  assert file_snapshot(workdir / "checkpoints") == before
+  assert signal.getsignal(signal.SIGTERM) == handler  # the command's handler is gone again
+
+
 def _record(**changes):
   from longformer_jax.config import CharLMConfig
   from longformer_jax.training import Stage, TrainConfig

@@ -49,7 +49,8 @@ Exit status, the same for every command (eval commands too):
       metrics.jsonl, a workdir in use by another job)
   2   a bad command line, setting or input: one `<prog>: error: ...` line naming it, before any
       training or evaluation starts
-  75  preempted (SIGTERM) after saving its step: rerun the same command to resume
+  75  preempted (SIGTERM) after saving its step, or during an evaluation (nothing of it is
+      written): rerun the same command to resume
 """
 
 from __future__ import annotations
@@ -289,6 +290,34 @@ def write_files(workdir, files: dict[str, str]) -> None:
   for name, content in files.items():
     atomic_write(workdir / name, content)
   print(f"wrote {', '.join(files)} in {workdir}")
+
+
+class EvaluationInterrupted(Exception):
+  """SIGTERM arrived while a command evaluated (`sigterm_interrupts`)."""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts(what: str):
+  """SIGTERM inside the block raises `EvaluationInterrupted` (the default action would end the
+  process with status 143 and no word): the caller exits 75 like a preempted training run. The
+  training loop keeps its own handler (it finishes the step and saves); this one covers the
+  evaluation around it, where nothing is half-written because results are written only at the
+  end, whole. Outside the main thread (no handler can be installed) the block runs as it is."""
+  import signal
+
+  def interrupt(signum, frame):
+    del signum, frame
+    raise EvaluationInterrupted(f"SIGTERM during {what}")
+
+  try:
+    previous = signal.signal(signal.SIGTERM, interrupt)
+  except ValueError:  # not the main thread
+    yield
+    return
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGTERM, previous)
 
 
 # The workdir's lock file (`workdir_lock`).
@@ -652,6 +681,10 @@ class TrainCommand(abc.ABC):
         return self._run(args, cfg, plan, workdir, mesh)
       except run_errors() as e:
         return fail(e)
+      except EvaluationInterrupted as e:
+        if jax.process_index() == 0:
+          print(f"{e}: nothing written; rerun the same command to evaluate", file=sys.stderr)
+        return EXIT_PREEMPTED
 
   def _run(self, args, cfg, plan: Plan, workdir, mesh) -> int:
     import jax
@@ -659,7 +692,8 @@ class TrainCommand(abc.ABC):
     progress = not args.no_progress
     results = dict(plan.results)
     if plan.evaluate is not None:
-      evaluation = plan.evaluate(mesh)
+      with sigterm_interrupts("the evaluation"):
+        evaluation = plan.evaluate(mesh)
     else:
       start = time.perf_counter()
       summary = training.train(cfg, workdir, plan.task, mesh=mesh, progress=progress,
@@ -674,7 +708,9 @@ class TrainCommand(abc.ABC):
                           round((time.perf_counter() - start) / 60, 2)})
       evaluation = None
       if not args.skip_final_eval:
-        evaluation = plan.task.final_evaluation(cfg, workdir, mesh, progress=progress)
+        with sigterm_interrupts(f"the final evaluation (training is saved at step "
+                                f"{summary['step']})"):
+          evaluation = plan.task.final_evaluation(cfg, workdir, mesh, progress=progress)
     files = {}
     if evaluation is not None:
       if evaluation.step is not None:
