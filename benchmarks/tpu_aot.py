@@ -19,6 +19,14 @@ Rows (`--rows`, comma-separated):
   op_1m       `ops.longformer_attention(impl="pallas", mesh=..., seq_axis="seq")` fwd+bwd on
               1,048,576 tokens (batch 1) split over every chip of the slice: the char LM's
               attention shape (8 heads, head_dim 64), window 512, bf16.
+  op_mix      `ops.longformer_attention(impl="pallas", mesh=...)` fwd+bwd (gradients of q, k, v and
+              the global projections), base attention shape (12 heads, head_dim 64, window 256),
+              bf16, at 131,072 and 262,144 tokens per slice, two layouts: 4 sequences over the
+              batch axis, and 1 sequence over the seq axis; each plain (dilation 1, no global
+              token) and mixed (dilation 2 on heads 10-11, 2 global tokens per sequence, global
+              projections of their own). The mixed/plain ratios of temporaries and of XLA's
+              `cost_analysis()` bytes accessed show what dilation and globals cost beyond the
+              band.
   mlm         a LongformerForMaskedLM base (LongformerConfig.base(), bf16 compute) AdamW train
               step through `training.Trainer`, 4,096 tokens x 8 rows and 16,384 x 2 per chip
               (docs/design.md §6's anchors), one global token per row, data-parallel.
@@ -65,7 +73,7 @@ GIB = 1 << 30
 # Nominal HBM per device of the compile-only topology (v4's devices are its cores).
 HBM_BYTES = {"v5e": 16 * GIB, "v6e": 32 * GIB, "v5p": 95 * GIB, "v4": 16 * GIB}
 DEFAULT_SLICES = ("v5e:2x2", "v6e:2x2", "v5p:2x2x1", "v4:2x2x1")
-ALL_ROWS = ("band", "op_1m", "mlm", "char_small", "char_large", "charlm_1m")
+ALL_ROWS = ("band", "op_1m", "op_mix", "mlm", "char_small", "char_large", "charlm_1m")
 DEFAULT_ROWS = ("band", "op_1m", "mlm")
 MOSAIC_TARGET = 'custom_call_target="tpu_custom_call"'
 
@@ -136,6 +144,36 @@ def op_programs(devices, quick: bool):
   fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
   yield (f"op fwd+bwd, causal 8x64, w{window}, bf16, seq split over {len(devices)}", seq,
          1 / len(devices), lambda: fn.lower(qkv, qkv, qkv, mask))
+
+
+def op_mix_programs(devices, quick: bool):
+  from longformer_jax import ops
+  chips = len(devices)
+  heads, head_dim, window = 12, 64, 256
+  layouts = {"batch": (mesh_of(devices, (chips, 1), ("data", "seq")), P("data"), None),
+             "seq": (mesh_of(devices, (1, chips), ("data", "seq")), P(None, "seq"), "seq")}
+  for total in ((16384,) if quick else (131072, 262144)):
+    for layout, (mesh, spec, seq_axis) in layouts.items():
+      batch = chips if layout == "batch" else 1
+      shape = (batch, total // batch, heads, head_dim)
+      qkv = sds(shape, jnp.bfloat16, mesh, spec)
+      mask = sds(shape[:2], jnp.bool_, mesh, spec)
+      for mixed in (False, True):
+        def loss(q, k, v, q_g, k_g, v_g, attention_mask, global_mask, mixed=mixed,
+                 mesh=mesh, seq_axis=seq_axis):
+          extra = {}
+          if mixed:
+            extra = dict(dilation=(1,) * (heads - 2) + (2, 2), global_mask=global_mask,
+                         global_qkv=(q_g, k_g, v_g), max_global=2)
+          out = ops.longformer_attention(q, k, v, window=window, attention_mask=attention_mask,
+                                         impl="pallas", mesh=mesh, seq_axis=seq_axis, **extra)
+          return jnp.sum(out.astype(jnp.float32))
+
+        fn = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6 if mixed else 3))))
+        what = (f"op fwd+bwd, 12x64, w{window}, bf16, {shape[0]} x {shape[1]:,} over {layout}, "
+                + ("dilation 2 on 2 heads + 2 globals" if mixed else "plain"))
+        yield (what, shape[1], batch / chips,
+               lambda fn=fn, qkv=qkv, mask=mask: fn.lower(*(qkv,) * 6, mask, mask))
 
 
 def _trainer_program(cfg, devices, stage_index: int, task=None, batch_arrays=("inputs",
@@ -231,6 +269,7 @@ STAGES: tuple[int, ...] = ()  # --stages: which of the 5 char stages (1-based); 
 BUILDERS = {
     "band": band_programs,
     "op_1m": op_programs,
+    "op_mix": op_mix_programs,
     "mlm": mlm_programs,
     "char_small": lambda devices, quick: char_programs("char_small", devices, quick, STAGES),
     "char_large": lambda devices, quick: char_programs("char_large", devices, quick, STAGES),
@@ -266,7 +305,8 @@ def measure(slice_name: str, row: str, quick: bool):
       record.update(
           argument_bytes=stats.argument_size_in_bytes, output_bytes=stats.output_size_in_bytes,
           temp_bytes=stats.temp_size_in_bytes, alias_bytes=stats.alias_size_in_bytes,
-          mosaic_calls=compiled.as_text().count(MOSAIC_TARGET))
+          mosaic_calls=compiled.as_text().count(MOSAIC_TARGET),
+          bytes_accessed=_bytes_accessed(compiled))
       record["total_bytes"] = (record["argument_bytes"] + record["output_bytes"]
                                + record["temp_bytes"] - record["alias_bytes"])
       record["hbm_fraction"] = record["total_bytes"] / hbm
@@ -278,24 +318,32 @@ def measure(slice_name: str, row: str, quick: bool):
     yield record
 
 
+def _bytes_accessed(compiled) -> float:
+  """XLA's estimate of the bytes the program reads and writes (`cost_analysis()`; 0 if none)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float((cost or {}).get("bytes accessed", 0.0))
+
+
 def _gib(x):
   return f"{x / GIB:.2f}"
 
 
 HEADER = ("| slice | row | what | seq | batch/device | argument GiB | output GiB | temp GiB | "
-          "total GiB | of HBM | temp KB/token | Mosaic calls | compile s |\n"
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "total GiB | of HBM | temp KB/token | accessed KB/token | Mosaic calls | compile s |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
 
 
 def _row_line(r) -> str:
   if "error" in r:
     return (f"| {r['slice']} | {r['row']} | {r['what']} | {r['seq']:,} | {r['batch_per_device']:g} "
-            f"| failed: {r['error']} | | | | | | | {r['compile_s']} |")
+            f"| failed: {r['error']} | | | | | | | | {r['compile_s']} |")
   tokens = r["seq"] * r["batch_per_device"]
   return (f"| {r['slice']} | {r['row']} | {r['what']} | {r['seq']:,} | "
           f"{r['batch_per_device']:g} | {_gib(r['argument_bytes'])} | {_gib(r['output_bytes'])} | "
           f"{_gib(r['temp_bytes'])} | {_gib(r['total_bytes'])} | {r['hbm_fraction']:.0%} | "
-          f"{r['temp_bytes'] / tokens / 1024:.2f} | {r['mosaic_calls']} | {r['compile_s']} |")
+          f"{r['temp_bytes'] / tokens / 1024:.2f} | {r['bytes_accessed'] / tokens / 1024:.1f} | "
+          f"{r['mosaic_calls']} | {r['compile_s']} |")
 
 
 def main(argv=None):

@@ -27,6 +27,7 @@ import typing
 import warnings
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -192,7 +193,13 @@ class TestTritonBand:
     """Dilation addressed by the kernels' BlockSpecs and the global key block merged in their
     online softmax, against one dense softmax over [band keys of each head's dilation; global
     keys], out, lse and the gradients of q, k, v and the global keys/values."""
-    heads, head_dim = len(dilation), 16
+    self.check_dilation_and_global_keys(seed, seq, window, dilation, causal, num_global, dtype,
+                                        head_dim=16)
+
+  def check_dilation_and_global_keys(self, seed, seq, window, dilation, causal, num_global,
+                                     dtype, head_dim, gradients=True):
+    """Raises AssertionError naming the first output or gradient that differs."""
+    heads = len(dilation)
     q, k, v, key_mask = make_band_inputs(seed, 2, seq, heads, head_dim, dtype, "holes")
     rng = np.random.default_rng(seed + 1)
     kg, vg = (jnp.asarray(rng.standard_normal((2, max(num_global, 1), heads, head_dim)), dtype)
@@ -226,6 +233,8 @@ class TestTritonBand:
     tol = tolerance(dtype)
     assert_close(out, out_ref, tol, "out")
     assert_lse_close(lse, lse_ref, tol)
+    if not gradients:
+      return
     dout = jnp.asarray(rng.standard_normal(out.shape), dtype)
     dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
     names = ("dq", "dk", "dv", "dk_global", "dv_global")[:5 if has_global else 3]
@@ -242,12 +251,50 @@ class TestTpuBand(TestTritonBand):
   """The compiled Mosaic TPU kernel; skips unless jax's backend is a TPU."""
   BACKEND, PLATFORM, BLOCKS, GRID = "tpu", "tpu", BlockSizes(*(128,) * 6), TPU_CASES
 
-  def test_dilation_and_global_keys(self):
-    """The TPU kernel has dilation and global keys composed around it (ops/attention.py)."""
-    q, k, v, key_mask = make_band_inputs(34, 1, 128, 2, 64, jnp.float32, "all")
-    with pytest.raises(ValueError, match="backend='tpu'.*dilation=1 and no global_kv"):
-      band_attention_pallas(q, k, v, key_mask, window=4, causal=False, dilation=(1, 2),
-                            interpret=self.INTERPRET, backend="tpu")
+  @pytest.mark.parametrize("seed, seq, window, dilation, causal, num_global, dtype", [
+      # head_dim 64: two heads per lane group. Runs 1,1 | 2,2 in place; 300 is no multiple.
+      (40, 300, 5, (1, 1, 2, 2), False, 2, jnp.float32),
+      (41, 200, 3, (2, 1, 3), False, 1, jnp.float32),  # runs of one head: gathered by dilation
+      (42, 256, 4, (2, 2, 1, 1), True, 0, jnp.float32),
+      (43, 256, 6, (1, 1, 3, 3), False, 3, jnp.bfloat16),
+  ])
+  def test_dilation_and_global_keys(self, seed, seq, window, dilation, causal, num_global,
+                                    dtype):
+    """As the Triton kernels: dilated runs of heads addressed in place by the index maps (or
+    gathered by dilation where a run is not whole lane groups), the global key tile merged in
+    the online softmax, its dK/dV from the dQ kernel."""
+    self.check_dilation_and_global_keys(seed, seq, window, dilation, causal, num_global, dtype,
+                                        head_dim=64)
+
+  @pytest.mark.parametrize("mutation", ["head_offset", "dropped_global_key"])
+  def test_dilation_and_global_keys_catches_mutations(self, mutation, monkeypatch):
+    """The check above fails on a kernel that addresses a run of heads one lane group off, or
+    that drops the last real global key (the case has 2 global keys in row 0)."""
+    from longformer_jax.ops import band_mosaic
+    # The kernels are jitted with their configuration static: retrace them with the mutation,
+    # and again without it afterwards.
+    jax.clear_caches()
+    if mutation == "head_offset":
+      init = band_mosaic._Run.__init__
+
+      def shifted(run, dilation, first_head, *args):
+        init(run, dilation, first_head, *args)
+        run.g0 = (run.g0 + 1) % run.lane_blocks
+      monkeypatch.setattr(band_mosaic._Run, "__init__", shifted)
+    else:
+      global_keep = band_mosaic._global_keep
+
+      def dropped(gkeep_ref, rows):
+        keep = global_keep(gkeep_ref, rows)
+        return keep & (lax.broadcasted_iota(jnp.int32, keep.shape, 1) != 1)
+      monkeypatch.setattr(band_mosaic, "_global_keep", dropped)
+    try:
+      with pytest.raises(AssertionError):
+        self.check_dilation_and_global_keys(44, 256, 4, (2, 2, 1, 1), False, 2, jnp.float32,
+                                            head_dim=64, gradients=False)
+    finally:
+      monkeypatch.undo()
+      jax.clear_caches()
 
 
 class TestTpuBandInterpret(TestTpuBand):
@@ -320,8 +367,8 @@ def test_dilation_and_globals_copy_nothing_on_gpu(with_globals):
   last 2 of 12 heads: the dilated heads are addressed in place (no transpose, gather or
   concatenation of a q/k/v-sized array; the old composition lowered to 13 transposes, 7 gathers
   and a concatenation) and each run of heads is one launch of each kernel. With a global
-  token, the only full-size transposes left are the float32 gradients of the global
-  projections' keys and values (step 4's [G x N] pass)."""
+  token neither (step 4's [G x N] pass runs block-diagonal on [B, N, H*D]; it used to transpose
+  the float32 gradients of the global projections' keys and values)."""
   batch, seq, heads, head_dim = 2, 4096, 12, 64
   dilations = (1,) * 10 + (2, 2)
   attention_mask = jnp.ones((batch, seq), bool)
@@ -340,7 +387,7 @@ def test_dilation_and_globals_copy_nothing_on_gpu(with_globals):
   text = _lower("cuda", jax.grad(loss, argnums=tuple(range(6))), *[x] * 6)
   assert text.count("custom_call @__gpu$xla.gpu.triton") == 6  # 2 runs x (fwd, dq, dk/dv)
   copies = _full_size_ops(text, batch * seq * heads * head_dim // 4)
-  assert copies == ({"stablehlo.transpose": 2} if with_globals else {}), copies
+  assert copies == {}, copies
 
 
 # ---------------------------------------------------------------------------------------------

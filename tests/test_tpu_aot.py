@@ -225,3 +225,26 @@ def test_row_groups_on_a_multi_host_slice():
   for mesh_shape, groups in expected.items():
     sharding = batch_sharding(make_mesh(mesh_shape, devices), LOGICAL_RULES, shape)
     assert [row_group(sharding, shape, process_index=p) for p in range(4)] == groups, mesh_shape
+
+
+@pytest.mark.parametrize("slice_name", ["v5e:1x1", "v6e:1x1", "v5p:1x1x1"])
+def test_band_kernel_with_dilation_and_global_keys_compiles(slice_name):
+  """Forward + backward of the kernel with two runs of heads (dilation 1 and 2, each addressed
+  in place: one launch of each kernel per run) and a global key tile, on one chip of each
+  generation."""
+  mesh = tpu_testing.tpu_mesh(slice_name, (1,), ("data",))
+  batch, seq, heads = 1, 4096, 4
+  qkv = tpu_testing.sds((batch, seq, heads, HEAD_DIM), jnp.bfloat16, mesh)
+  glob = tpu_testing.sds((batch, 2, heads, HEAD_DIM), jnp.bfloat16, mesh)
+  masks = tpu_testing.sds((batch, seq), jnp.bool_, mesh), tpu_testing.sds((batch, 2), jnp.bool_,
+                                                                          mesh)
+
+  def loss(q, k, v, kg, vg, key_mask, keep):
+    out, lse = band_attention_pallas(q, k, v, key_mask, window=WINDOW, causal=False,
+                                     dilation=(1, 1, 2, 2), global_kv=(kg, vg, keep),
+                                     interpret=False, backend="tpu")
+    return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+  grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  compiled = grad.lower(qkv, qkv, qkv, glob, glob, *masks).compile()
+  assert tpu_testing.mosaic_calls(compiled) == 6  # 2 runs x (fwd, dq, dk/dv)

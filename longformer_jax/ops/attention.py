@@ -1,6 +1,6 @@
 """`longformer_attention`: the public op, one signature for every implementation.
 
-The composition (docs/design.md §2.1-2.2), shared by the chunked path and the TPU kernel:
+The composition (docs/design.md §2.1-2.2) of the chunked path:
   0. the padding positions of q, k, v and of the global projections are zeroed by a select, so
      that no value there (NaN and inf included) reaches a real row, forward or backward;
   1. dilation: a head with dilation d attends an undilated band on the d interleaved
@@ -13,9 +13,9 @@ The composition (docs/design.md §2.1-2.2), shared by the chunked path and the T
   5. rows with more global tokens than slots (a traced mask, a too-small max_global) are set to
      NaN, and padding queries are zeroed.
 The `"reference"` implementation bypasses all of this and computes the masks densely.
-The Triton (GPU) kernels fold steps 1 and 3 in (`_compose_fused`, §2.4): dilation is addressed
-in place by their BlockSpecs and the global keys are one more key tile of their online softmax,
-so neither copies q/k/v nor merges in float32 outside the kernel.
+The Pallas kernels (Triton on GPU, Mosaic on TPU) fold steps 1 and 3 in (`_compose_fused`,
+§2.4): dilation is addressed in place by their BlockSpecs and the global keys are one more key
+tile of their online softmax, so neither copies q/k/v nor merges in float32 outside the kernel.
 
 On a mesh (§2.6) the composition runs per shard inside `shard_map` (`_on_mesh`); with a
 sequence axis, `_compose_sequence_shard` adds the halo exchange and the cross-shard global
@@ -122,13 +122,13 @@ def resolve_impl(impl: str, q, window: int, platform: str | None = None) -> str:
 
 def _band_kernel(impl: str, platform: str) -> tuple[BandKernel, bool]:
   """The band kernel for `impl` on `platform`, and whether it takes dilation and global keys
-  itself (the Triton kernels) rather than having them composed around it."""
+  itself (the Pallas kernels, Triton and Mosaic) rather than having them composed around it."""
   if impl == "chunked":
     return band_attention_chunked, False
   from longformer_jax.ops import band_pallas  # Lazy: Pallas imports are heavy and optional.
   backend = "tpu" if platform == "tpu" else "triton"
   return functools.partial(band_pallas.band_attention_pallas, interpret=platform == "cpu",
-                           backend=backend), backend == "triton"
+                           backend=backend), True
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,8 +200,10 @@ def _has_slots(global_mask, num_global: int) -> bool:
   return global_mask is not None and num_global > 0
 
 
-def _gather_rows(x_BxNxHxD, idx_BxG):
-  return jnp.take_along_axis(x_BxNxHxD, idx_BxG[:, :, None, None], axis=1)
+def _gather_rows(x_BxNx_, idx_BxG):
+  """Rows idx_BxG of x [B, N, ...] -> [B, G, ...]."""
+  return jnp.take_along_axis(x_BxNx_, idx_BxG.reshape(idx_BxG.shape + (1,) * (x_BxNx_.ndim - 2)),
+                             axis=1)
 
 
 def _merge_band_and_global_keys(band_out, band_lse, q, k_glob, v_glob, valid_BxG):
@@ -218,7 +220,10 @@ def _scatter_global_rows(out, rows_BxGxHxD, idx_BxG, valid_BxG):
   """Step 4's rows written over the global positions."""
   scatter_idx = jnp.where(valid_BxG, idx_BxG, out.shape[1])  # filler slots point past the end
   batch_idx = jnp.arange(out.shape[0])[:, None]
-  return out.at[batch_idx, scatter_idx].set(rows_BxGxHxD.astype(out.dtype), mode="drop")
+  # unique_indices: the real slots are distinct positions and the fillers are dropped; without
+  # it the scatter's JVP scatters 32-bit ids over a full-size copy of out to find the winners.
+  return out.at[batch_idx, scatter_idx].set(rows_BxGxHxD.astype(out.dtype), mode="drop",
+                                             unique_indices=True)
 
 
 def _finish(out, attention_mask, global_mask, num_global, axis_name=None):
@@ -230,8 +235,9 @@ def _finish(out, attention_mask, global_mask, num_global, axis_name=None):
     count_B = jnp.sum(global_mask, axis=1, dtype=jnp.int32)
     if axis_name is not None:
       count_B = lax.psum(count_B, axis_name)
-    out = jnp.where((count_B > num_global)[:, None, None, None], jnp.nan, out)
-  return jnp.where(attention_mask[:, :, None, None], out, 0)
+    out = jnp.where((count_B > num_global).reshape((-1,) + (1,) * (out.ndim - 1)), jnp.nan,
+                    out)
+  return jnp.where(attention_mask.reshape(attention_mask.shape + (1,) * (out.ndim - 2)), out, 0)
 
 
 def _with_globals(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
@@ -251,30 +257,117 @@ def _global_rows(q_g, k_g, v_g, idx_BxG, attention_mask):
   return out
 
 
+def _block_diagonal(rows_BxGxHxD):
+  """[B, G, H, D] -> [B, G*H, H*D]: row (g, h) holds head h's vector in head h's lanes, zeros
+  elsewhere, so that one matmul against a [B, N, H*D] array computes every head's products."""
+  batch, slots, heads, head_dim = rows_BxGxHxD.shape
+  eye_HxH = jnp.eye(heads, dtype=rows_BxGxHxD.dtype)
+  rows = rows_BxGxHxD[:, :, :, None, :] * eye_HxH[None, None, :, :, None]
+  return rows.reshape(batch, slots * heads, heads * head_dim)
+
+
+def _diagonal(x_BxKxC, heads: int):
+  """The inverse of `_block_diagonal`: [B, G*H, H*D] -> [B, G, H, D], head h's lanes of row
+  (g, h)."""
+  batch, rows, lanes = x_BxKxC.shape
+  x = x_BxKxC.reshape(batch, rows // heads, heads, heads, lanes // heads)
+  eye_HxH = jnp.eye(heads, dtype=x.dtype)
+  return jnp.sum(x * eye_HxH[None, None, :, :, None], axis=3)
+
+
+def _dot(spec, a, b, dtype):
+  return jnp.einsum(spec, a, b, preferred_element_type=dtype)
+
+
+@jax.custom_vjp
+def _global_rows_dense(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN):
+  """Step 4 with k_g, v_g as [B, N, H*D] (lane-dense on TPU, where [..., H, 64] tiles pad 64
+  features to 128 lanes): the G global queries, block-diagonal (`_block_diagonal`), against
+  every key in one matmul per product; inputs in their dtype, float32 accumulation and softmax,
+  the gradients of k_g and v_g written in their dtype: no float32 copy of a full-size array.
+  Returns [B, G, H, D] in q's dtype (rows with no key: 0)."""
+  return _global_rows_dense_fwd(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN)[0]
+
+
+def _global_rows_dense_fwd(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN):
+  heads, dtype = q_rows_BxGxHxD.shape[2], k_g_BxNxC.dtype
+  scale = 1.0 / math.sqrt(q_rows_BxGxHxD.shape[3])
+  q_BxKxC = _block_diagonal(q_rows_BxGxHxD.astype(dtype))
+  s_BxKxN = _dot("bkc,bnc->bkn", q_BxKxC, k_g_BxNxC, jnp.float32) * scale
+  s_BxKxN = jnp.where(key_mask_BxN[:, None, :], s_BxKxN, -jnp.inf)
+  m_BxKx1 = jnp.max(s_BxKxN, axis=-1, keepdims=True)
+  m_BxKx1 = jnp.where(m_BxKx1 == -jnp.inf, 0.0, m_BxKx1)  # a row with no key: p = 0
+  p_BxKxN = jnp.exp(s_BxKxN - m_BxKx1)
+  l_BxKx1 = jnp.sum(p_BxKxN, axis=-1, keepdims=True)
+  p_BxKxN = p_BxKxN * jnp.where(l_BxKx1 > 0, 1.0 / jnp.where(l_BxKx1 > 0, l_BxKx1, 1.0), 0.0)
+  o_BxKxC = _dot("bkn,bnc->bkc", p_BxKxN.astype(dtype), v_g_BxNxC, jnp.float32)
+  out_BxGxHxD = _diagonal(o_BxKxC, heads)
+  residuals = (q_BxKxC, k_g_BxNxC, v_g_BxNxC, p_BxKxN, out_BxGxHxD,
+               jnp.zeros((), q_rows_BxGxHxD.dtype))
+  return out_BxGxHxD.astype(q_rows_BxGxHxD.dtype), residuals
+
+
+def _global_rows_dense_bwd(residuals, dout_BxGxHxD):
+  q_BxKxC, k_g_BxNxC, v_g_BxNxC, p_BxKxN, out_BxGxHxD, q_dtype = residuals
+  heads, dtype = dout_BxGxHxD.shape[2], k_g_BxNxC.dtype
+  scale = 1.0 / math.sqrt(dout_BxGxHxD.shape[3])
+  dout_BxGxHxD = dout_BxGxHxD.astype(jnp.float32)
+  dout_BxKxC = _block_diagonal(dout_BxGxHxD).astype(dtype)
+  # The [N, H*D] gradients contract over the G*H global rows only: written in the input dtype.
+  dv_g = _dot("bkn,bkc->bnc", p_BxKxN.astype(dtype), dout_BxKxC, dtype)
+  dp_BxKxN = _dot("bkc,bnc->bkn", dout_BxKxC, v_g_BxNxC, jnp.float32)
+  delta_BxK = jnp.sum(dout_BxGxHxD * out_BxGxHxD, axis=-1).reshape(dp_BxKxN.shape[:2])
+  ds_BxKxN = (p_BxKxN * (dp_BxKxN - delta_BxK[..., None]) * scale).astype(dtype)
+  dk_g = _dot("bkn,bkc->bnc", ds_BxKxN, q_BxKxC, dtype)
+  dq_rows = _diagonal(_dot("bkn,bnc->bkc", ds_BxKxN, k_g_BxNxC, jnp.float32), heads)
+  return dq_rows.astype(q_dtype.dtype), dk_g, dv_g, None
+
+
+_global_rows_dense.defvjp(_global_rows_dense_fwd, _global_rows_dense_bwd)
+
+
 def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
-                   dilations, causal, num_global):
-  """Steps 1-4 with a kernel that takes the dilation and the global keys itself: the only work
-  outside it is gathering the G global rows and the [G x N] pass of step 4."""
-  if not _has_slots(global_mask, num_global):
-    out, _ = band_kernel(q, k, v, attention_mask, window=window, causal=causal,
-                         dilation=dilations)
-    return out
+                   dilations, causal, num_global, head_shape):
+  """Steps 1-4, with global tokens, with a kernel that takes the dilation and the global keys
+  itself: the only work outside it is gathering the G global rows and the [G x N] pass of
+  step 4.
+
+  q, k, v and the global projections arrive as [B, N, H*D], head_shape = (H, D) (reshaped to
+  [B, N, H, D] only as the kernel's arguments), so that what XLA materializes around the kernel
+  (the zeroed padding, the global rows written over the output) is lane-dense on TPU. Returns
+  [B, N, H*D]."""
+  batch, seq, _ = q.shape
+  heads, head_dim = head_shape
+  as_heads = lambda x: x.reshape(batch, seq, heads, head_dim)
+  flat = lambda x: x.reshape(batch, -1, heads * head_dim)
   idx_BxG, valid_BxG = _global_slots(global_mask, num_global)
-  global_kv = (_gather_rows(k, idx_BxG), _gather_rows(v, idx_BxG), valid_BxG)
-  out, _ = band_kernel(q, k, v, attention_mask & ~global_mask, window=window, causal=causal,
-                       dilation=dilations, global_kv=global_kv)
-  return _scatter_global_rows(out, _global_rows(*global_qkv, idx_BxG, attention_mask), idx_BxG,
-                              valid_BxG)
+  rows = lambda x: _gather_rows(x, idx_BxG).reshape(batch, num_global, heads, head_dim)
+  global_kv = (rows(k), rows(v), valid_BxG)
+  out, _ = band_kernel(as_heads(q), as_heads(k), as_heads(v), attention_mask & ~global_mask,
+                       window=window, causal=causal, dilation=dilations, global_kv=global_kv)
+  q_g, k_g, v_g = global_qkv
+  global_rows = _global_rows_dense(rows(q_g), k_g, v_g, attention_mask)
+  return _scatter_global_rows(flat(out), flat(global_rows), idx_BxG, valid_BxG)
 
 
 def _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
              dilations, causal, num_global, fused=False):
   """Steps 0-5 of the module docstring on whole sequences (one device, or one batch shard)."""
-  q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
-  if fused:
+  if fused and _has_slots(global_mask, num_global):
+    # [B, N, H*D] from here to the output (see _compose_fused): zeroing the padding, gathering
+    # and scattering the global rows touch no array with 64 features in the minor dim. (Without
+    # global tokens XLA fuses the zeroing into the kernel's operand copies either way.)
+    shape = q.shape
+    flat = lambda x: x.reshape(*shape[:2], -1)
+    q, k, v, global_qkv = zero_padding(attention_mask, jax.tree.map(flat, (q, k, v, global_qkv)))
     out = _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv,
                          window=window, dilations=dilations, causal=causal,
-                         num_global=num_global)
+                         num_global=num_global, head_shape=shape[2:])
+    return _finish(out, attention_mask, global_mask, num_global).reshape(shape)
+  q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
+  if fused:
+    out, _ = band_kernel(q, k, v, attention_mask, window=window, causal=causal,
+                         dilation=dilations)
     return _finish(out, attention_mask, global_mask, num_global)
   globals_ = _has_slots(global_mask, num_global)
   key_mask = attention_mask & ~global_mask if globals_ else attention_mask

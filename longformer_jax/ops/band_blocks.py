@@ -276,6 +276,30 @@ def head_runs(dilations: tuple[int, ...]) -> tuple[tuple[int, int, int], ...]:
   return tuple(tuple(r) for r in runs)
 
 
+def tpu_head_order(dilations: tuple[int, ...], group: int):
+  """(order, dilations) of the TPU kernels' heads: `order` gives each kernel head as a head of the
+  caller's (-1: a zero head), such that every run of heads with one dilation is whole lane
+  groups of `group` heads (a block holds `group` heads' rows, so they must share a dilation).
+
+  The caller's order plus trailing zero heads (which take the last run's dilation) when its runs
+  allow it: nothing is copied beyond that padding. Otherwise the heads are gathered by dilation
+  (in order of first appearance), each dilation's heads padded to whole groups: one copy of
+  q, k, v and of the output, for patterns such as dilation (1, 2, 1, 2) with head_dim 64.
+  """
+  heads = len(dilations)
+  pad = -heads % group
+  padded = tuple(dilations) + (dilations[-1],) * pad
+  if all(h0 % group == 0 and n % group == 0 for _, h0, n in head_runs(padded)):
+    return tuple(range(heads)) + (-1,) * pad, padded
+  order, kernel_dilations = [], []
+  for d in dict.fromkeys(dilations):
+    members = [h for h, dh in enumerate(dilations) if dh == d]
+    members += [-1] * (-len(members) % group)
+    order += members
+    kernel_dilations += [d] * len(members)
+  return tuple(order), tuple(kernel_dilations)
+
+
 # ---------------------------------------------------------------------------------------------
 # TPU lane grouping: the Mosaic kernels see [B, N, H, D] as [B, N, H*D] with heads in groups
 # whose lane dim g*D fills the 128 TPU lanes (band_mosaic.py).
@@ -309,6 +333,6 @@ class BandConfig:
   blocks: BlockSizes
   backend: str
   interpret: Any  # bool, or pltpu.InterpretParams (the TPU interpreter, for either kernel)
-  dilations: tuple[int, ...] = ()  # one per head (Triton); () = all 1
-  num_global: int = 0  # rows of the global key block (Triton), 0 = none
+  dilations: tuple[int, ...] = ()  # one per head; () = all 1
+  num_global: int = 0  # rows of the global key block, 0 = none
   global_keys: int = 0  # how many of them are slots the caller passed (the rest is padding)

@@ -8,7 +8,8 @@ and the public `band_attention_pallas`; the kernels and their arithmetic live be
                   blocks, dilation and the global key tile inside the kernels
   band_mosaic.py  Mosaic TPU kernels, backend="tpu": the band walked by a clamped grid axis,
                   heads in lane-dense groups (zero-padded to a multiple of
-                  `band_blocks.head_group(head_dim)`, exact like the head_dim padding)
+                  `band_blocks.head_group(head_dim)`, exact like the head_dim padding),
+                  dilation addressed by the index maps and the global key tile inside
 
 Public entry: `band_attention_pallas(q, k, v, key_mask, *, window, causal, dilation=1,
 global_kv=None, block_sizes=None, interpret=None, backend=None) -> (out [B,N,H,D], lse [B,H,N]
@@ -29,14 +30,17 @@ import math
 import numbers
 
 import jax
+from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 from longformer_jax.ops import band_triton
 from longformer_jax.ops.band_blocks import (BACKENDS, GPU_HEAD_DIMS, MAX_HEAD_DIM,
                                             SUPPORTED_DTYPES, TPU_HEAD_DIMS, BandConfig,
                                             BlockSizes, check_supported, default_backend,
                                             fit_blocks, head_group, kernel_head_dim,
-                                            native_head_dims, pallas_supported, varying_axes)
+                                            native_head_dims, pallas_supported, tpu_head_order,
+                                            varying_axes)
 
 # Re-exported: callers configure and check the kernels through this module.
 __all__ = ["BACKENDS", "GPU_HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "TPU_HEAD_DIMS",
@@ -48,20 +52,25 @@ __all__ = ["BACKENDS", "GPU_HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "TPU
 # once per shape instead of re-interpreting it on every call; inlined under an outer jit.
 @functools.partial(jax.jit, static_argnums=(5,))
 def _forward_impl(q, k, v, mask_BxN, glob, cfg):
+  """-> (out, lse [B, H, N] in position order, the lse the backward keeps: the TPU kernels keep
+  a dilated head's rows residue-major, `band_mosaic.rows_order`)."""
   if cfg.backend == "tpu":
     from longformer_jax.ops import band_mosaic  # Lazy: only backend="tpu" needs Mosaic.
-    return band_mosaic.forward(q, k, v, mask_BxN, cfg)
-  return band_triton.forward(q, k, v, mask_BxN, glob, cfg)
+    out, lse_rows = band_mosaic.forward(q, k, v, mask_BxN, glob, cfg)
+    return out, band_mosaic.rows_order(lse_rows, cfg, to_rows=False), lse_rows
+  out, lse = band_triton.forward(q, k, v, mask_BxN, glob, cfg)
+  return out, lse, lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _band_padded(q, k, v, mask_BxN, glob, cfg):
-  return _forward_impl(q, k, v, mask_BxN, glob, cfg)
+  out, lse, _ = _forward_impl(q, k, v, mask_BxN, glob, cfg)
+  return out, lse
 
 
 def _band_padded_fwd(q, k, v, mask_BxN, glob, cfg):
-  out, lse = _forward_impl(q, k, v, mask_BxN, glob, cfg)
-  return (out, lse), (q, k, v, mask_BxN, glob, out, lse)
+  out, lse, lse_kept = _forward_impl(q, k, v, mask_BxN, glob, cfg)
+  return (out, lse), (q, k, v, mask_BxN, glob, out, lse_kept)
 
 
 def _band_padded_bwd(cfg, residuals, cotangents):
@@ -76,8 +85,7 @@ def _backward_impl(q, k, v, mask_BxN, glob, out, lse_BxHxN, dout, dlse_BxHxN, cf
   # computes it itself (see band_mosaic).
   if cfg.backend == "tpu":
     from longformer_jax.ops import band_mosaic  # Lazy: only backend="tpu" needs Mosaic.
-    return (*band_mosaic.backward(q, k, v, mask_BxN, out, dout, lse_BxHxN, dlse_BxHxN, cfg),
-            None)
+    return band_mosaic.backward(q, k, v, mask_BxN, glob, out, dout, lse_BxHxN, dlse_BxHxN, cfg)
   return band_triton.backward(q, k, v, mask_BxN, glob, out, lse_BxHxN, dout, dlse_BxHxN, cfg)
 
 
@@ -117,9 +125,11 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
 
   q, k, v: [batch, seq, heads, head_dim], same dtype (float32, bfloat16, float16).
   key_mask: [batch, seq] bool (or 0/1). window: one-sided, >= 0 (may exceed seq).
-  dilation (Triton backend): an int or one int per head; a head with dilation d attends keys
-    i + d*t, |t| <= window (causal: -window <= t <= 0), addressed in place by the kernels.
-  global_kv (Triton backend): (k_glob [batch, G, heads, head_dim], v_glob, keep [batch, G]):
+  dilation: an int or one int per head; a head with dilation d attends keys i + d*t,
+    |t| <= window (causal: -window <= t <= 0), addressed in place by the kernels (TPU: heads
+    are gathered by dilation only when a run of them is not whole lane groups,
+    `band_blocks.tpu_head_order`).
+  global_kv: (k_glob [batch, G, heads, head_dim], v_glob, keep [batch, G]):
     extra keys every query attends besides its band (the global tokens' keys, docs/design.md
     §2.1 step 3), merged in the kernel's online softmax; out and lse then cover both key sets.
     Their positions must be masked out of `key_mask` so that no key counts twice.
@@ -142,11 +152,9 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
   dilations = _check_dilation(dilation, heads)
   if global_kv is not None:
     _check_global_kv(global_kv, q)
-  if backend == "tpu" and (set(dilations) != {1} or global_kv is not None):
-    raise ValueError("backend='tpu': the TPU band kernel takes dilation=1 and no global_kv "
-                     "(longformer_attention composes them around it)")
-  # The global key tile's rows: tl.dot needs >= 16.
-  num_global = 0 if global_kv is None else max(16, -(-global_kv[0].shape[1] // 16) * 16)
+  # The global key tile's rows: tl.dot needs >= 16; Mosaic tiles take multiples of 8 sublanes.
+  rows = 8 if backend == "tpu" else 16
+  num_global = 0 if global_kv is None else max(rows, -(-global_kv[0].shape[1] // rows) * rows)
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   if interpret is True and any(map(varying_axes, (q, k, v, key_mask, *(global_kv or ())))):
@@ -170,11 +178,12 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
                                                       limit, global_rows=num_global)
   check_supported(q.shape, q.dtype, window, backend, block_sizes)
 
-  pad_heads = 0
+  order, kernel_dilations = tuple(range(heads)), dilations
   if backend == "tpu":
     block_sizes = fit_blocks(block_sizes, seq)
     # Zero heads, like zero features, attend and output nothing that is kept (sliced off).
-    pad_heads = -heads % head_group(kernel_head_dim(head_dim, backend))
+    order, kernel_dilations = tpu_head_order(dilations,
+                                             head_group(kernel_head_dim(head_dim, backend)))
   # Every subsequence (length padded / d) must be a whole number of blocks (powers of two: the
   # max is a common multiple of the block sizes).
   multiple = max(block_sizes.all_sizes()) * math.lcm(*dilations)
@@ -186,15 +195,40 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
   if global_kv is not None:
     kg, vg, keep = global_kv
     pad_g = num_global - kg.shape[1]
-    kg, vg = (jnp.pad(x, ((0, 0), (0, pad_g), (0, 0), (0, pad_dim))) for x in (kg, vg))
+    kg, vg = (jnp.pad(_heads_in(x, order), ((0, 0), (0, pad_g), (0, 0), (0, pad_dim)))
+              for x in (kg, vg))
     glob = (kg, vg, jnp.pad(keep.astype(jnp.int32), ((0, 0), (0, pad_g))))
   cfg = BandConfig(window=window_eff, causal=bool(causal), scale=1.0 / math.sqrt(head_dim),
                    blocks=block_sizes, backend=backend, interpret=interpret,
-                   dilations=dilations + (1,) * pad_heads, num_global=num_global,
+                   dilations=kernel_dilations, num_global=num_global,
                    global_keys=0 if global_kv is None else global_kv[0].shape[1])
 
   pad = padded - seq
   mask_BxN = jnp.pad(key_mask.astype(jnp.int32), ((0, 0), (0, pad)))  # padded keys masked out
-  q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, pad_heads), (0, pad_dim))) for x in (q, k, v))
+  q, k, v = (jnp.pad(_heads_in(x, order), ((0, 0), (0, pad), (0, 0), (0, pad_dim)))
+             for x in (q, k, v))
   out, lse_BxHxN = _band_padded(q, k, v, mask_BxN, glob, cfg)
-  return out[:, :seq, :heads, :head_dim], lse_BxHxN[:, :heads, :seq]
+  return (_heads_out(out, order, axis=2)[:, :seq, :, :head_dim],
+          _heads_out(lse_BxHxN, order, axis=1)[:, :, :seq])
+
+
+def _in_order(order, heads: int) -> bool:
+  return order[:heads] == tuple(range(heads))
+
+
+def _heads_in(x_BxNxHxD, order):
+  """The kernel's heads (`band_blocks.tpu_head_order`): zero heads appended, or (heads of one
+  dilation not in whole lane groups) gathered, -1 taking a zero head."""
+  heads = x_BxNxHxD.shape[2]
+  if _in_order(order, heads):
+    return jnp.pad(x_BxNxHxD, ((0, 0), (0, 0), (0, len(order) - heads), (0, 0)))
+  x = jnp.pad(x_BxNxHxD, ((0, 0), (0, 0), (0, 1), (0, 0)))
+  return jnp.take(x, np.array([h if h >= 0 else heads for h in order]), axis=2)
+
+
+def _heads_out(x, order, axis: int):
+  """The caller's heads of a kernel output (the inverse of `_heads_in`)."""
+  heads = sum(h >= 0 for h in order)
+  if _in_order(order, heads):
+    return lax.slice_in_dim(x, 0, heads, axis=axis)
+  return jnp.take(x, np.array([order.index(h) for h in range(heads)]), axis=axis)

@@ -4,7 +4,7 @@ A band kernel is the inner piece of Longformer attention (docs/design.md §2.1):
 sliding-window attention with a key-keep vector, returning the softmax's log-sum-exp so that
 callers can merge it with other key sets (the global keys) and overwrite rows (the global
 queries). Dilation, global attention and query padding are composed around it in
-`longformer_jax.ops.attention` (the Triton kernels also take dilation and the global keys
+`longformer_jax.ops.attention` (the Pallas kernels also take dilation and the global keys
 themselves: `band_pallas.band_attention_pallas(dilation=..., global_kv=...)`).
 
 Contract, for q, k, v of shape [batch, seq, heads, head_dim] and key_mask [batch, seq] (bool):
