@@ -137,6 +137,38 @@ def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
   assert (tmp_path / "b" / "curves.png").stat().st_size > 1000
 
 
+def test_the_host_dispatches_the_next_step_before_reading_a_loss(tmp_path):
+  """Single process: step t+1's batch is fetched and its step dispatched before step t's
+  metrics reach the host (step_hook), except where the host needs the step itself: an
+  evaluation, a checkpoint (here step 3 and the end) or SIGTERM. The losses are those of the
+  in-memory loop (`Trainer.fit`), which reads every step at once, bit for bit."""
+  events = []
+
+  class Recorded(CharLMTask):
+    def batches(self, *args, **kwargs):
+      batches = super().batches(*args, **kwargs)
+
+      class Batches:
+        state, load_state = batches.state, batches.load_state
+
+        def __next__(self):
+          events.append("batch")
+          return next(batches)
+      return Batches()
+
+  data = _bytes()
+  cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=6, learning_rate=3e-3),),
+                checkpoint_every=3)
+  summary = train(cfg, tmp_path, Recorded(data), progress=False,
+                  step_hook=lambda step, m: events.append((step, m["loss"])))
+  assert summary["status"] == "done" and summary["step"] == 6
+  order = [e if e == "batch" else e[0] for e in events]
+  assert order == ["batch", "batch", 1, "batch", 2, 3, "batch", "batch", 4, "batch", 5, 6]
+  trainer = Trainer(cfg, task=CharLMTask(data))
+  _, fit = trainer.fit(trainer.init_state(None), 0)
+  assert [e[1] for e in events if e != "batch"] == fit
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
   data = _bytes()
   cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=2, learning_rate=1e-2),),
@@ -345,18 +377,19 @@ def test_another_task_reuses_the_loop_and_resumes_exactly(tmp_path):
   model = LongformerConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2,
                            num_attention_heads=2, intermediate_size=32,
                            max_position_embeddings=40, attention_window=4)
-  cfg = _config(model=model, microbatch_size=2,
+  cfg = _config(model=model, microbatch_size=2, checkpoint_every=1000,
                 stages=(Stage(seq_len=16, batch_size=4, steps=4, learning_rate=1e-2),))
   full, losses_full = _run(cfg, tmp_path / "a", None, task=_MaskedLMTask())
   assert full["status"] == "done" and sorted(losses_full) == [1, 2, 3, 4]
 
   def preempt(step, _):
-    if step == 3:
+    if step == 2:
       os.kill(os.getpid(), signal.SIGTERM)
 
   losses = {}
   summary = train(cfg, tmp_path / "b", _MaskedLMTask(), progress=False,
                   step_hook=lambda s, m: (losses.__setitem__(s, m["loss"]), preempt(s, m)))
+  # Step 2's loss is read while step 3 runs (the host runs a step ahead): step 3 is saved.
   assert summary["status"] == "preempted" and summary["step"] == 3
   _, losses_b = _run(cfg, tmp_path / "b", None, task=_MaskedLMTask())
   assert {**losses, **losses_b} == losses_full  # bit-identical, dropout included

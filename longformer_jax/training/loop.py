@@ -21,8 +21,12 @@ The loop in one paragraph (`train`):
   3. For each stage from the current one: the task's batch iterator for the stage, moved to the
      stage-local step (`load_state`); one jit-compiled step per stage (sequence length and
      windows are static shapes); the state is donated.
-  4. Every step: the loss reaches the host (progress bar, JSONL, TensorBoard); a non-finite
-     loss or gradient norm stops the run before anything is saved (`NonFiniteLossError`). The
+  4. Every step: the loss reaches the host (progress bar, JSONL, step_hook) one step late: with
+     one process the host dispatches step t+1 before it reads step t's metrics, so the device
+     never waits for the host between steps (a step whose state the host needs, an evaluation,
+     a checkpoint or SIGTERM, is read at once). A non-finite loss or gradient norm stops the run
+     before anything is saved (`NonFiniteLossError`). Several processes agree on SIGTERM after
+     every step (a collective, which waits for the step), so they read each step at once. The
      task's validation metrics every `eval_every` steps and at the end. Checkpoints every
      `checkpoint_every` steps, at stage ends and at the end, asynchronously, each only after a
      health check (`Trainer.health`: the new parameters' loss and gradient on the step's batch
@@ -470,8 +474,9 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
   task: what is trained (`longformer_jax.tasks`: e.g. `CharLMTask(train_bytes, valid_bytes)`).
   progress: a progress bar on process 0; False: a line on stdout at every evaluation and every
     checkpoint instead (the step, the losses and metrics, the speed), for logs.
-  step_hook(step, metrics): called on every host after each step (tests use it to record losses
-    or to raise SIGTERM).
+  step_hook(step, metrics): called on every host once a step's metrics are read (with one
+    process, after the next step is dispatched; tests use it to record losses or to raise
+    SIGTERM, which then saves the step running).
   logdir: local directory for metrics.jsonl, tensorboard/ and curves.png (default: the workdir
     when it is local, else runs/<workdir name>: JSONL appends need a local file system).
   allow_changes: dotted names of optimiser/schedule settings that may differ from the run's on
@@ -581,6 +586,41 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     last_good = last_saved = step
     return True
 
+  last = {}
+
+  def report(at_step: int, stage_index: int, metrics, *, tick: float) -> float:
+    """Reads finished step `at_step`'s metrics on the host: stops on a non-finite loss or
+    gradient norm (`NonFiniteLossError`), then logs them (metrics.jsonl, progress, step_hook).
+    Returns the time it read them (the throughput's clock)."""
+    stage = cfg.stages[stage_index]
+    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
+    # A finite loss with non-finite gradients would save NaN parameters: stop on either.
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+      writer.wait()
+      raise NonFiniteLossError(
+          f"loss is {loss} (gradient norm {grad_norm}) at step {at_step} (stage "
+          f"{stage_index}, seq_len {stage.seq_len}); stopped without saving. "
+          f"{good_checkpoint(at_step)} {_RETRY}")
+    writer.check()  # a background save that failed stops the run now
+    now = time.perf_counter()
+    tokens_per_s = stage.batch_size * stage.seq_len / max(now - tick, 1e-9)
+    derived = task.train_metrics(loss)
+    summary["last_loss"], summary["step"] = loss, at_step
+    last.update(derived=derived, tokens_per_s=tokens_per_s)
+    if at_step % cfg.log_every == 0 or at_step == cfg.total_steps:
+      metrics_log.write(at_step, train_loss=loss, **derived, grad_norm=grad_norm,
+                        tokens_per_s=tokens_per_s,
+                        learning_rate=float(metrics["learning_rate"]), stage=stage_index)
+    if pbar is not None:
+      pbar.update(1)
+      pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}",
+                       **{k: f"{v:.3f}" for k, v in derived.items()},
+                       tok_s=f"{tokens_per_s:,.0f}")
+    if step_hook is not None:
+      step_hook(at_step, {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                          **derived})
+    return now
+
   pbar = None
   if progress and is_main:
     from tqdm import tqdm
@@ -600,41 +640,31 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
         if step > stage_start:  # resumed inside this stage: the saved state is this stage's
           batches.load_state(batches_state)
         train_step = trainer.train_step(stage_index)
-        tokens_per_step = stage.batch_size * stage.seq_len
         tick = time.perf_counter()
+        pending = None  # a dispatched step whose metrics the host has not read yet
         while step < stage_start + stage.steps:
           batch = trainer.global_batch(next(batches), stage.batch_size)
-          state, metrics = train_step(state, batch)
-          loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-          # A finite loss with non-finite gradients would save NaN parameters: stop on either.
-          if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            writer.wait()
-            raise NonFiniteLossError(
-                f"loss is {loss} (gradient norm {grad_norm}) at step {step + 1} (stage "
-                f"{stage_index}, seq_len {stage.seq_len}); stopped without saving. "
-                f"{good_checkpoint(step + 1)} {_RETRY}")
+          state, metrics = train_step(state, batch)  # returns at dispatch; the device runs on
           step += 1
-          writer.check()  # a background save that failed stops the run now
-          now = time.perf_counter()
-          tokens_per_s = tokens_per_step / max(now - tick, 1e-9)
-          tick = now
-          derived = task.train_metrics(loss)
-          summary["last_loss"] = loss
-          if step % cfg.log_every == 0 or step == cfg.total_steps:
-            metrics_log.write(step, train_loss=loss, **derived, grad_norm=grad_norm,
-                              tokens_per_s=tokens_per_s,
-                              learning_rate=float(metrics["learning_rate"]), stage=stage_index)
-          if pbar is not None:
-            pbar.update(1)
-            pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}",
-                             **{k: f"{v:.3f}" for k, v in derived.items()},
-                             tok_s=f"{tokens_per_s:,.0f}")
-          if step_hook is not None:
-            step_hook(step, {"loss": loss, "grad_norm": grad_norm,
-                             "tokens_per_s": tokens_per_s, **derived})
+          # The host runs one step ahead: the previous step's metrics are read while this one
+          # runs, so the device never waits for the host between steps. A non-finite one
+          # stops the run here, before anything of it is saved (saves read the step first).
+          if pending is not None:
+            tick = report(*pending, tick=tick)
+            pending = None
+          due_eval = cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
+                                                            or step == cfg.total_steps)
+          due_save = step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps
+          # Several processes agree on SIGTERM after every step (a collective, which waits for
+          # the step): they read each step at once.
+          if (jax.process_count() == 1 and not (due_eval or due_save)
+              and not preemption.requested):
+            pending = (step, stage_index, metrics)
+            continue
+          tick = report(step, stage_index, metrics, tick=tick)
+          loss, derived, tokens_per_s = summary["last_loss"], last["derived"], last["tokens_per_s"]
           valid = None
-          if cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
-                                                    or step == cfg.total_steps):
+          if due_eval:
             valid = task.evaluate(trainer.model(state.params), cfg, stage_index, trainer.mesh)
             summary.update(valid)
             if valid:
@@ -642,7 +672,6 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
               if pbar is not None:
                 pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
             tick = time.perf_counter()  # evaluation time is not training throughput
-          summary["step"] = step
           if _any_process(preemption.requested):
             save(stage_index, batches, batch)
             writer.wait()  # the step is on disk before the process reports it and exits
@@ -651,7 +680,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
               print(f"\nSIGTERM: saved step {step} in {checkpoints_dir}; exiting.")
             return summary
           saved = False
-          if step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps:
+          if due_save:
             saved = save(stage_index, batches, batch)
           if is_main and pbar is None and (valid is not None or saved):
             # Without a progress bar, a line per evaluation and checkpoint shows progress in a
