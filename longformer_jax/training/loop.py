@@ -586,12 +586,11 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     last_good = last_saved = step
     return True
 
-  last = {}
-
-  def report(at_step: int, stage_index: int, metrics, *, tick: float) -> float:
+  def report(at_step: int, stage_index: int, metrics, *, tick: float
+             ) -> tuple[float, float, dict[str, float], float]:
     """Reads finished step `at_step`'s metrics on the host: stops on a non-finite loss or
     gradient norm (`NonFiniteLossError`), then logs them (metrics.jsonl, progress, step_hook).
-    Returns the time it read them (the throughput's clock)."""
+    Returns (the time it read them: the throughput's clock, loss, derived metrics, tokens/s)."""
     stage = cfg.stages[stage_index]
     loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
     # A finite loss with non-finite gradients would save NaN parameters: stop on either.
@@ -606,7 +605,6 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     tokens_per_s = stage.batch_size * stage.seq_len / max(now - tick, 1e-9)
     derived = task.train_metrics(loss)
     summary["last_loss"], summary["step"] = loss, at_step
-    last.update(derived=derived, tokens_per_s=tokens_per_s)
     if at_step % cfg.log_every == 0 or at_step == cfg.total_steps:
       metrics_log.write(at_step, train_loss=loss, **derived, grad_norm=grad_norm,
                         tokens_per_s=tokens_per_s,
@@ -619,7 +617,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     if step_hook is not None:
       step_hook(at_step, {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                           **derived})
-    return now
+    return now, loss, derived, tokens_per_s
 
   pbar = None
   if progress and is_main:
@@ -650,7 +648,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           # runs, so the device never waits for the host between steps. A non-finite one
           # stops the run here, before anything of it is saved (saves read the step first).
           if pending is not None:
-            tick = report(*pending, tick=tick)
+            tick = report(*pending, tick=tick)[0]
             pending = None
           due_eval = cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
                                                             or step == cfg.total_steps)
@@ -661,8 +659,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
               and not preemption.requested):
             pending = (step, stage_index, metrics)
             continue
-          tick = report(step, stage_index, metrics, tick=tick)
-          loss, derived, tokens_per_s = summary["last_loss"], last["derived"], last["tokens_per_s"]
+          tick, loss, derived, tokens_per_s = report(step, stage_index, metrics, tick=tick)
           valid = None
           if due_eval:
             valid = task.evaluate(trainer.model(state.params), cfg, stage_index, trainer.mesh)
