@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -137,6 +139,19 @@ def test_resume_after_sigterm_equals_uninterrupted(tmp_path):
   assert (tmp_path / "b" / "curves.png").stat().st_size > 1000
 
 
+class _Announced:
+  """A task's batches that call `announce()` as each batch is taken (just before its step is
+  dispatched)."""
+
+  def __init__(self, batches, announce):
+    self._batches, self._announce = batches, announce
+    self.state, self.load_state = batches.state, batches.load_state
+
+  def __next__(self):
+    self._announce()
+    return next(self._batches)
+
+
 def test_the_host_dispatches_the_next_step_before_reading_a_loss(tmp_path):
   """Single process: step t+1's batch is fetched and its step dispatched before step t's
   metrics reach the host (step_hook), except where the host needs the step itself: an
@@ -146,15 +161,7 @@ def test_the_host_dispatches_the_next_step_before_reading_a_loss(tmp_path):
 
   class Recorded(CharLMTask):
     def batches(self, *args, **kwargs):
-      batches = super().batches(*args, **kwargs)
-
-      class Batches:
-        state, load_state = batches.state, batches.load_state
-
-        def __next__(self):
-          events.append("batch")
-          return next(batches)
-      return Batches()
+      return _Announced(super().batches(*args, **kwargs), lambda: events.append("batch"))
 
   data = _bytes()
   cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=6, learning_rate=3e-3),),
@@ -167,6 +174,60 @@ def test_the_host_dispatches_the_next_step_before_reading_a_loss(tmp_path):
   trainer = Trainer(cfg, task=CharLMTask(data))
   _, fit = trainer.fit(trainer.init_state(None), 0)
   assert [e[1] for e in events if e != "batch"] == fit
+
+
+class _Slow(CharLMTask):
+  """A char-LM task whose steps are deliberately slow on the device (a chain of `matmuls`
+  256 x 256 matrix products added to the loss times zero: the same loss and gradients, bit for
+  bit), and that records when each batch is taken: just before its step is dispatched."""
+
+  def __init__(self, data, matmuls):
+    super().__init__(data)
+    self.matmuls, self.fetched = matmuls, []
+
+  def loss(self, model, batch, stage, dropout_key):
+    x_CxC = jnp.full((256, 256), 1 / 256, jnp.float32) + batch["inputs"][0, 0] * 0
+    x_CxC = jax.lax.fori_loop(0, self.matmuls, lambda _, x: jnp.tanh(x @ x), x_CxC)
+    return super().loss(model, batch, stage, dropout_key) + 0 * jnp.sum(x_CxC)
+
+  def batches(self, *args, **kwargs):
+    return _Announced(super().batches(*args, **kwargs),
+                      lambda: self.fetched.append(time.perf_counter()))
+
+
+@pytest.mark.parametrize("read_every", [1, 3])
+def test_the_host_dispatches_step_t_plus_1_while_step_t_runs(tmp_path, read_every):
+  """Timestamps with a deliberately slow step (600 chained matrix products on the device): the
+  host takes step t+1's batch and dispatches it while step t still runs, well before step t's
+  loss reaches it (read when the step completes); with read_every=3 the host reads 3 steps at a
+  time. The
+  losses are those of the in-memory loop (`Trainer.fit`, which reads every step at once) bit
+  for bit."""
+  data, read = _bytes(), {}
+  cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=7, learning_rate=3e-3),),
+                checkpoint_every=1000, read_every=read_every)
+  task = _Slow(data, matmuls=600)
+  summary = train(cfg, tmp_path, task, progress=False,
+                  step_hook=lambda step, m: read.__setitem__(step, (time.perf_counter(),
+                                                                    m["loss"])))
+  assert summary["status"] == "done" and sorted(read) == list(range(1, 8))
+  # task.fetched[t] is step t+1's batch. read[t] is when step t's loss reached the host: when
+  # step t completed, or later.
+  ahead = [read[t][0] - task.fetched[t] for t in range(1, 7)]
+  if read_every == 1:
+    step_s = min(read[t + 1][0] - read[t][0] for t in range(2, 6))
+    assert step_s > 0.02, step_s  # the step is slow enough to tell dispatch from completion
+    # Step t+1 was dispatched while step t ran: most of a step before t's loss was read.
+    assert all(gap > 0.5 * step_s for gap in ahead[1:]), (ahead, step_s)
+    assert ahead[0] > 0, ahead  # step 1's completion includes compiling step 1
+  else:
+    # Steps 1-3 are read once step 4 is dispatched, 4-6 once step 7 (the last, read at once).
+    assert all(read[t][0] > task.fetched[3] for t in (1, 2, 3)), (read, task.fetched)
+    assert all(read[t][0] > task.fetched[6] for t in (4, 5, 6)), (read, task.fetched)
+    assert all(read[t][0] < task.fetched[4] for t in (1, 2, 3)), (read, task.fetched)
+  trainer = Trainer(cfg, task=_Slow(data, matmuls=600))
+  _, fit = trainer.fit(trainer.init_state(None), 0)
+  assert [read[t][1] for t in range(1, 8)] == fit
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
@@ -197,10 +258,16 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   assert all(np.isfinite(list(losses.values())))
 
 
-def test_a_run_that_diverges_at_once_has_no_good_checkpoint(tmp_path):
+@pytest.mark.parametrize("checkpoint_every, read_every, stopped", [
+    (1, 1, "the update of step 1 diverged"), (4, 3, "loss is nan .* at step 2 ")])
+def test_a_run_that_diverges_at_once_has_no_good_checkpoint(tmp_path, checkpoint_every,
+                                                            read_every, stopped):
+  # (1, 1): step 1's health check before its checkpoint. (4, 3): steps 1-3 are read together
+  # after step 4 is dispatched; the first non-finite loss (step 2's: step 1's update diverged)
+  # stops the run before step 4 is read and saved.
   cfg = _config(stages=(Stage(seq_len=16, batch_size=4, steps=6, learning_rate=1e30),),
-                checkpoint_every=1, clip_norm=1e30)
-  with pytest.raises(NonFiniteLossError, match="No good checkpoint exists yet"):
+                checkpoint_every=checkpoint_every, read_every=read_every, clip_norm=1e30)
+  with pytest.raises(NonFiniteLossError, match=stopped + ".*No good checkpoint exists yet"):
     _run(cfg, tmp_path, _bytes())
   assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
 

@@ -83,6 +83,11 @@ class TrainConfig:
     sequence is split into; 1 when omitted); one of them may be -1: the devices left over.
   microbatch_size: sequences per gradient-accumulation step (global); None: no accumulation.
   eval_tokens: validation tokens scored at each evaluation; None: the whole split.
+  read_every: the host reads the finished steps' metrics (loss, gradient norm) in groups of this
+    many steps, while the next step runs; 1: step t's while step t+1 runs. More lets the host
+    queue more steps where dispatch is slow (a TPU pod); a non-finite loss then stops the run up
+    to this many steps later, still before anything of it is saved. Evaluated, checkpointed and
+    interrupted steps are read at once.
   final_eval: keyword arguments of the evaluation that the entry point runs after training
     (`Task.final_evaluation`, e.g. `tasks.charlm.evaluate_run`'s plus `split`); None: skip it.
   """
@@ -100,6 +105,7 @@ class TrainConfig:
   mesh_shape: tuple[int, ...] = (-1, 1)
   logical_rules: tuple[tuple[str, Any], ...] = LOGICAL_RULES
   log_every: int = 1
+  read_every: int = 1
   eval_every: int = 500
   eval_tokens: int | None = 65_536
   eval_batch_size: int = 8
@@ -117,7 +123,7 @@ class TrainConfig:
     if not isinstance(self.dataset, str):
       raise TypeError(f"TrainConfig.dataset must be a str, got {self.dataset!r}")
     _check_int(self, "seed", minimum=0)  # the batch sampler's seeds are non-negative
-    for name in ("log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+    for name in ("log_every", "read_every", "eval_every", "checkpoint_every", "keep_checkpoints",
                  "eval_batch_size"):
       _check_int(self, name, minimum=1)
     for name in ("microbatch_size", "eval_tokens"):  # None: no accumulation / the whole split

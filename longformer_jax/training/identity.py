@@ -36,7 +36,7 @@ from typing import Any
 # Top-level TrainConfig fields that do not change what a run computes (to float rounding: the
 # mesh and accumulation change the order of sums), only how it runs and reports.
 FREE = frozenset({
-    "log_every", "eval_every", "eval_tokens", "eval_batch_size", "checkpoint_every",
+    "log_every", "read_every", "eval_every", "eval_tokens", "eval_batch_size", "checkpoint_every",
     "keep_checkpoints", "async_checkpoints", "final_eval", "mesh_shape", "logical_rules",
     "microbatch_size", "data_dir",
 })

@@ -21,20 +21,20 @@ The loop in one paragraph (`train`):
   3. For each stage from the current one: the task's batch iterator for the stage, moved to the
      stage-local step (`load_state`); one jit-compiled step per stage (sequence length and
      windows are static shapes); the state is donated.
-  4. Every step: the loss reaches the host (progress bar, JSONL, step_hook) one step late: with
-     one process the host dispatches step t+1 before it reads step t's metrics, so the device
-     never waits for the host between steps (a step whose state the host needs, an evaluation,
-     a checkpoint or SIGTERM, is read at once). A non-finite loss or gradient norm stops the run
-     before anything is saved (`NonFiniteLossError`). Several processes agree on SIGTERM after
-     every step (a collective, which waits for the step), so they read each step at once. The
-     task's validation metrics every `eval_every` steps and at the end. Checkpoints every
-     `checkpoint_every` steps, at stage ends and at the end, asynchronously, each only after a
-     health check (`Trainer.health`: the new parameters' loss and gradient on the step's batch
-     are finite, and so is the whole state), so the newest checkpoint is always one the run can
-     go on from. A background save that failed stops the run at the next step
+  4. Every step: the loss reaches the host (progress bar, JSONL, step_hook) late: the host
+     dispatches step t+1 before it reads step t's metrics (`read_every` steps at a time), so
+     the device never waits for the host between steps; a step whose state the host needs, an
+     evaluation, a checkpoint or SIGTERM, is read at once. A non-finite loss or gradient norm
+     stops the run before anything is saved (`NonFiniteLossError`). The task's validation
+     metrics every `eval_every` steps and at the end. Checkpoints every `checkpoint_every`
+     steps, at stage ends and at the end, asynchronously, each only after a health check
+     (`Trainer.health`: the new parameters' loss and gradient on the step's batch are finite,
+     and so is the whole state), so the newest checkpoint is always one the run can go on
+     from. A background save that failed stops the run at the next read
      (`checkpoint.CheckpointSaveError`). SIGTERM (a preempted TPU VM) saves and returns. With
      several processes all of them save and return after the same step, whichever of them got
-     the signal.
+     the signal, agreed on host to host (JAX's preemption sync point), not by a collective
+     every step (`_Preemption`).
 
 Everything random is a function of (seed, step): initialisation, the batches (the task's
 iterators are) and the dropout keys (`fold_in(seed, step)`, then `fold_in(., microbatch)`), so a
@@ -416,14 +416,38 @@ def _stored_record(workdir) -> dict[str, Any] | None:
 
 
 class _Preemption:
-  """Turns SIGTERM into a flag checked between steps (the default action would kill the process
-  in the middle of an async checkpoint)."""
+  """SIGTERM (a preempted TPU VM) as a stop after a step that every process agrees on.
+
+  The processes of a run take every step together, so they must stop after the same step: one
+  that saved and returned alone would leave the others waiting in the next step's collectives.
+  SIGTERM reaches them at different moments (or only some of them), so each one's notice is
+  agreed on before it acts, without a device collective, which would make the host wait for
+  every step and so never run ahead of the device:
+    * one process: a Python handler turns SIGTERM into a flag checked between steps (the default
+      action would kill the process in the middle of an async checkpoint);
+    * several: JAX's preemption sync point (`multihost_utils.reached_preemption_sync_point`,
+      host to host through the coordination service of `jax.distributed`). Its SIGTERM handler,
+      installed by `jax.distributed.initialize`, is C code that a Python handler would replace,
+      so none is installed; it tells every process of the notice within about a second and
+      names the same step on all of them;
+    * several with JAX's preemption service off (`jax_enable_preemption_service=False`): the flag,
+      OR-ed over the processes by a collective at checkpoint steps only.
+  """
 
   def __init__(self):
     self.requested = False
     self._previous = None
+    self._sync_point = False
 
   def __enter__(self):
+    if jax.process_count() > 1:
+      from jax._src import distributed
+      self._sync_point = getattr(distributed.global_state, "preemption_sync_manager",
+                                 None) is not None
+      if self._sync_point:
+        return self
+      print("warning: JAX's preemption service is off (jax_enable_preemption_service): SIGTERM "
+            "is acted on at the next checkpoint step", file=sys.stderr, flush=True)
     try:
       self._previous = signal.signal(signal.SIGTERM, self._handler)
     except ValueError:  # not the main thread: nothing to install
@@ -434,26 +458,26 @@ class _Preemption:
     del signum, frame
     self.requested = True
 
+  def stop_after(self, step: int, *, checkpoint_step: bool) -> bool:
+    """Whether the run stops after `step`: the same answer at the same step on every process
+    (every process calls this after every step it dispatches, in order)."""
+    if jax.process_count() == 1:
+      return self.requested
+    from jax.experimental import multihost_utils
+    if self._sync_point:
+      return multihost_utils.reached_preemption_sync_point(step)
+    if not checkpoint_step:
+      return False
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([self.requested]))))
+
+  def noticed(self) -> bool:
+    """One process: whether SIGTERM came (what `stop_after` answers); several: False (the
+    processes act only on a step they agreed on)."""
+    return self.requested and jax.process_count() == 1
+
   def __exit__(self, *exc):
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
-
-
-def _any_process(flag: bool) -> bool:
-  """`flag` OR-ed over the processes, the same answer on every one (a collective: every process
-  must call it at the same point).
-
-  The processes of a run take every step together, so they must stop after the same step: one
-  that saved and returned alone would leave the others waiting in the next step's collectives.
-  SIGTERM reaches the processes at different moments (or only some of them), so the flag each
-  one sees is agreed here before acting on it. (JAX's own preemption sync manager cannot do this
-  here: it learns of SIGTERM through a C-level handler, which `_Preemption`'s Python handler
-  replaces.)
-  """
-  if jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-  return bool(np.any(multihost_utils.process_allgather(np.asarray([flag]))))
 
 
 def _sync_processes(name: str) -> None:
@@ -474,9 +498,9 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
   task: what is trained (`longformer_jax.tasks`: e.g. `CharLMTask(train_bytes, valid_bytes)`).
   progress: a progress bar on process 0; False: a line on stdout at every evaluation and every
     checkpoint instead (the step, the losses and metrics, the speed), for logs.
-  step_hook(step, metrics): called on every host once a step's metrics are read (with one
-    process, after the next step is dispatched; tests use it to record losses or to raise
-    SIGTERM, which then saves the step running).
+  step_hook(step, metrics): called on every host once a step's metrics are read (after the
+    next step is dispatched; tests use it to record losses or to raise SIGTERM, which then
+    saves the step running).
   logdir: local directory for metrics.jsonl, tensorboard/ and curves.png (default: the workdir
     when it is local, else runs/<workdir name>: JSONL appends need a local file system).
   allow_changes: dotted names of optimiser/schedule settings that may differ from the run's on
@@ -586,37 +610,42 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     last_good = last_saved = step
     return True
 
-  def report(at_step: int, stage_index: int, metrics, *, tick: float
+  def report(read: list[tuple[int, int, Any]], *, tick: float
              ) -> tuple[float, float, dict[str, float], float]:
-    """Reads finished step `at_step`'s metrics on the host: stops on a non-finite loss or
-    gradient norm (`NonFiniteLossError`), then logs them (metrics.jsonl, progress, step_hook).
-    Returns (the time it read them: the throughput's clock, loss, derived metrics, tokens/s)."""
-    stage = cfg.stages[stage_index]
-    loss, grad_norm = float(metrics["loss"]), float(metrics["grad_norm"])
-    # A finite loss with non-finite gradients would save NaN parameters: stop on either.
-    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-      writer.wait()
-      raise NonFiniteLossError(
-          f"loss is {loss} (gradient norm {grad_norm}) at step {at_step} (stage "
-          f"{stage_index}, seq_len {stage.seq_len}); stopped without saving. "
-          f"{good_checkpoint(at_step)} {_RETRY}")
+    """Reads finished steps' metrics on the host (`read`: (step, stage index, metrics) in step
+    order) and logs each (metrics.jsonl, progress, step_hook) up to the first non-finite loss
+    or gradient norm, which stops the run (`NonFiniteLossError`). Returns (the time it read
+    them: the throughput's clock, the last step's loss, its derived metrics, tokens/s over the
+    steps read since `tick`)."""
+    values = jax.device_get([{k: metrics[k] for k in ("loss", "grad_norm", "learning_rate")}
+                             for _, _, metrics in read])
     writer.check()  # a background save that failed stops the run now
     now = time.perf_counter()
-    tokens_per_s = stage.batch_size * stage.seq_len / max(now - tick, 1e-9)
-    derived = task.train_metrics(loss)
-    summary["last_loss"], summary["step"] = loss, at_step
-    if at_step % cfg.log_every == 0 or at_step == cfg.total_steps:
-      metrics_log.write(at_step, train_loss=loss, **derived, grad_norm=grad_norm,
-                        tokens_per_s=tokens_per_s,
-                        learning_rate=float(metrics["learning_rate"]), stage=stage_index)
-    if pbar is not None:
-      pbar.update(1)
-      pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}",
-                       **{k: f"{v:.3f}" for k, v in derived.items()},
-                       tok_s=f"{tokens_per_s:,.0f}")
-    if step_hook is not None:
-      step_hook(at_step, {"loss": loss, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                          **derived})
+    tokens = sum(cfg.stages[i].batch_size * cfg.stages[i].seq_len for _, i, _ in read)
+    tokens_per_s = tokens / max(now - tick, 1e-9)
+    for (at_step, stage_index, _), value in zip(read, values):
+      loss, grad_norm = float(value["loss"]), float(value["grad_norm"])
+      # A finite loss with non-finite gradients would save NaN parameters: stop on either.
+      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        writer.wait()
+        raise NonFiniteLossError(
+            f"loss is {loss} (gradient norm {grad_norm}) at step {at_step} (stage "
+            f"{stage_index}, seq_len {cfg.stages[stage_index].seq_len}); stopped without "
+            f"saving. {good_checkpoint(at_step)} {_RETRY}")
+      derived = task.train_metrics(loss)
+      summary["last_loss"], summary["step"] = loss, at_step
+      if at_step % cfg.log_every == 0 or at_step == cfg.total_steps:
+        metrics_log.write(at_step, train_loss=loss, **derived, grad_norm=grad_norm,
+                          tokens_per_s=tokens_per_s,
+                          learning_rate=float(value["learning_rate"]), stage=stage_index)
+      if pbar is not None:
+        pbar.update(1)
+        pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}",
+                         **{k: f"{v:.3f}" for k, v in derived.items()},
+                         tok_s=f"{tokens_per_s:,.0f}")
+      if step_hook is not None:
+        step_hook(at_step, {"loss": loss, "grad_norm": grad_norm,
+                            "tokens_per_s": tokens_per_s, **derived})
     return now, loss, derived, tokens_per_s
 
   pbar = None
@@ -639,27 +668,27 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           batches.load_state(batches_state)
         train_step = trainer.train_step(stage_index)
         tick = time.perf_counter()
-        pending = None  # a dispatched step whose metrics the host has not read yet
+        pending = []  # dispatched steps whose metrics the host has not read yet
         while step < stage_start + stage.steps:
           batch = trainer.global_batch(next(batches), stage.batch_size)
           state, metrics = train_step(state, batch)  # returns at dispatch; the device runs on
           step += 1
-          # The host runs one step ahead: the previous step's metrics are read while this one
-          # runs, so the device never waits for the host between steps. A non-finite one
-          # stops the run here, before anything of it is saved (saves read the step first).
-          if pending is not None:
-            tick = report(*pending, tick=tick)[0]
-            pending = None
+          # The host runs ahead: earlier steps' metrics are read while this one runs, so the
+          # device never waits for the host between steps. A non-finite one stops the run
+          # here, before anything of it is saved (saves read their step first).
+          if len(pending) >= cfg.read_every:
+            tick = report(pending, tick=tick)[0]
+            pending = []
           due_eval = cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
                                                             or step == cfg.total_steps)
           due_save = step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps
-          # Several processes agree on SIGTERM after every step (a collective, which waits for
-          # the step): they read each step at once.
-          if (jax.process_count() == 1 and not (due_eval or due_save)
-              and not preemption.requested):
-            pending = (step, stage_index, metrics)
+          stop = preemption.stop_after(step, checkpoint_step=due_save)
+          pending.append((step, stage_index, metrics))
+          if not (due_eval or due_save or stop):
             continue
-          tick, loss, derived, tokens_per_s = report(step, stage_index, metrics, tick=tick)
+          tick, loss, derived, tokens_per_s = report(pending, tick=tick)
+          pending = []
+          stop = stop or preemption.noticed()  # a SIGTERM that came while the host read
           valid = None
           if due_eval:
             valid = task.evaluate(trainer.model(state.params), cfg, stage_index, trainer.mesh)
@@ -669,12 +698,12 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
               if pbar is not None:
                 pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
             tick = time.perf_counter()  # evaluation time is not training throughput
-          if _any_process(preemption.requested):
+          if stop:
             save(stage_index, batches, batch)
             writer.wait()  # the step is on disk before the process reports it and exits
             summary["status"] = "preempted"
-            if is_main:
-              print(f"\nSIGTERM: saved step {step} in {checkpoints_dir}; exiting.")
+            # Every process says so: its log shows the step it agreed on.
+            print(f"\nSIGTERM: saved step {step} in {checkpoints_dir}; exiting.", flush=True)
             return summary
           saved = False
           if due_save:
