@@ -50,8 +50,8 @@ def _free_port() -> int:
 class _Run:
   """The same `python -m train.charlm` command in `processes` processes (4 CPU devices in all)."""
 
-  def __init__(self, tmp: Path, name: str, processes: int, config: str = CONFIG):
-    self.workdir, self.processes = tmp / name, processes
+  def __init__(self, tmp: Path, name: str, processes: int, config: str = CONFIG, **env):
+    self.workdir, self.processes, self.env = tmp / name, processes, env
     self.config, self.data = tmp / f"{name}_config.py", tmp / "bytes.bin"
     self.config.write_text(config)
     if not self.data.exists():
@@ -64,7 +64,7 @@ class _Run:
                # Compiling dominates these runs: later launches of the same programs load them
                # from a persistent cache (the same executables: no effect on the numbers).
                JAX_COMPILATION_CACHE_DIR=str(self.workdir.parent / "jax_cache"),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", **self.env)
     command = [sys.executable, "-m", "train.charlm", "--config", str(self.config),
                "--workdir", str(self.workdir), "--data-file", str(self.data), "--no-progress",
                "--skip-final-eval"]
@@ -187,3 +187,25 @@ def test_sequences_split_across_processes(tmp_path):
   finally:
     for r in runs:
       r.kill()
+
+
+def test_without_the_preemption_service_processes_agree_at_a_checkpoint(tmp_path):
+  """JAX's preemption service off: SIGTERM to one process stops both after the next checkpoint
+  step (a collective there, none between), saying so when the run starts."""
+  run = _Run(tmp_path, "no_service", 2, JAX_ENABLE_PREEMPTION_SERVICE="false")
+  try:
+    run.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (run.checkpoints() and max(run.losses(), default=0) > run.checkpoints()[0]):
+      assert time.monotonic() < deadline and all(p.poll() is None for p in run.procs), run.tail()
+      time.sleep(0.05)
+    run.procs[1].send_signal(signal.SIGTERM)
+    assert run.wait() == [75, 75], run.tail()
+    stopped = max(run.losses())
+    assert stopped % CHECKPOINT_EVERY == 0 and stopped < STEPS, (stopped, run.tail())
+    for log in run.logs:
+      text = log.read_text()
+      assert f"SIGTERM: saved step {stopped} in" in text, run.tail()
+      assert "SIGTERM is acted on at the next checkpoint step" in text, run.tail()
+  finally:
+    run.kill()
