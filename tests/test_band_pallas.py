@@ -268,19 +268,22 @@ class TestTpuBand(TestTritonBand):
 
   @pytest.mark.parametrize("mutation", ["head_offset", "dropped_global_key"])
   def test_dilation_and_global_keys_catches_mutations(self, mutation, monkeypatch):
-    """The check above fails on a kernel that addresses a run of heads one lane group off, or
-    that drops the last real global key (the case has 2 global keys in row 0)."""
+    """The check above fails on a kernel that addresses its heads one lane group off (each
+    group then runs with its neighbour's dilation), or that drops the last real global key (the
+    case has 2 global keys in row 0)."""
     from longformer_jax.ops import band_mosaic
     # The kernels are jitted with their configuration static: retrace them with the mutation,
     # and again without it afterwards.
     jax.clear_caches()
     if mutation == "head_offset":
-      init = band_mosaic._Run.__init__
+      from jax.experimental import pallas as pl
+      tile = band_mosaic._Layout.tile
 
-      def shifted(run, dilation, first_head, *args):
-        init(run, dilation, first_head, *args)
-        run.g0 = (run.g0 + 1) % run.lane_blocks
-      monkeypatch.setattr(band_mosaic._Run, "__init__", shifted)
+      def shifted(layout, rows, block_of):  # every tile one lane group further
+        spec = tile(layout, rows, block_of)
+        return pl.BlockSpec(spec.block_shape, lambda b, g, i, s: spec.index_map(
+            b, (g + 1) % layout.groups, i, s))
+      monkeypatch.setattr(band_mosaic._Layout, "tile", shifted)
     else:
       global_keep = band_mosaic._global_keep
 
