@@ -131,6 +131,7 @@ OP_CASES = [
     OpCase(jnp.float32, True, 999, 1, False, "seq", P("data")),
     OpCase(jnp.bfloat16, False, 1001, (1, 1, 2, 2), True, "seq", P("data")),
     OpCase(jnp.float32, False, 1024, (1, 2, 1, 2), True, "seq", P("data", "seq")),
+    OpCase(jnp.bfloat16, False, 1024, (1, 1, 2, 2), True, None, P(("data", "seq"))),
 ]
 
 
@@ -157,9 +158,12 @@ def _op_program(mesh, case: OpCase, grad: bool):
 @pytest.mark.parametrize("case", OP_CASES, ids=str)
 def test_op_gradients_compile_with_the_mosaic_kernel(slice_2x2, case):
   """value_and_grad of the op: 3 Mosaic calls (forward, dQ, dK/dV), whatever the dilations (one
-  launch of each kernel takes every head); the interpret path would have none."""
+  launch of each kernel takes every head), and with global tokens over whole sequences 2 more
+  (the global rows' forward and backward, `band_mosaic.global_rows`; the sequence-split path
+  computes them as merged partial softmaxes); the interpret path would have none."""
   compiled = _op_program(slice_2x2, case, grad=True)
-  assert tpu_testing.mosaic_calls(compiled) == 3
+  rows_kernel = case.globals and case.seq_axis is None
+  assert tpu_testing.mosaic_calls(compiled) == 3 + 2 * rows_kernel
 
 
 def test_op_forward_compiles_with_the_mosaic_kernel(slice_2x2):

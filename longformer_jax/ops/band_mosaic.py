@@ -9,19 +9,26 @@ dk and dv held in that layout, and the transposes into and out of it were extra 
 A kernel step loops over its g heads with static lane slices `[:, h*D:(h+1)*D]`; the band and
 key masks are computed once per step for all of them.
 
-Dilation (docs/design.md §2.1) is addressed in place: a head of dilation d attends an undilated
-band on each residue class mod d, and [B, N, H*D] seen as [B, N/d, d*H*D] (a free reshape)
-holds residue r's rows of head group g as block column r * H/g + g (`_Run`). The grid is
-(batch, residue, head group, block, band step); the kernels work in subsequence coordinates
-and are the same for every dilation. Rows (lse, dlse, delta) and the key mask of a dilated head
-are kept residue-major (`rows_order`) so that one block of them is one residue's. One launch per
-run of heads with one dilation (whole lane groups: `band_blocks.tpu_head_order`), each writing
-its heads into the previous launch's outputs (aliased, passed unread with memory_space ANY).
+Dilation (docs/design.md §2.1) is addressed in place, by one launch of each kernel for every
+head: a head of dilation d attends an undilated band on each residue class mod d. A block is
+`rows` consecutive positions, a multiple of every dilation of the call (`_Layout.rows`), so it
+holds rows / d rows of each residue of a head of dilation d: residue r's are the strided rows
+r, r + d, ... of the block (`_residue`, strided loads; Mosaic stores only 32-bit data strided,
+so the accumulators, float32, are kept in position order and the output is written whole).
+The kernels work in subsequence coordinates per residue and branch on the head group's
+dilation (`_Layout.for_group_dilation`); in position coordinates a head of dilation d reaches
+window * d positions, which is what the index maps use (`_Layout.band_block`). Rows (lse,
+dlse, delta) and the key mask are kept residue-major within each block (`rows_order`,
+`_key_masks`: one key-mask row per dilation), so a residue's rows are one lane range. Heads
+come in lane groups of one dilation (`band_blocks.tpu_head_order`). The earlier layout, a
+launch per run of heads on [B, N, H*D] seen as [B, N/d, d*H*D], was not free on TPU: a
+reshape that moves rows across (8, 128) tiles is a relayout, and XLA copied every operand of
+every dilated launch.
 
 Global keys: the G (a multiple of 8) global keys/values are one more block that every step of a
 head group sees (its index never changes, so it is fetched once); the forward merges them into
 the online softmax at the band's last step, the dQ kernel adds their share of dQ there and
-writes this query block's share of their dK, dV ([B, N / block_q, G, H*D] float32, summed in
+writes this query block's share of their dK, dV ([B, N / rows, G, H*D] float32, summed in
 XLA), so their gradients need no [N x G] pass over q and dout outside the kernel.
 
 The backward pass computes delta = rowsum(out * dout) - dlse in the dQ kernel (at its first band
@@ -44,13 +51,15 @@ nothing outside the band is fetched or computed.
 Accumulators live in VMEM scratch across the band axis ("arbitrary" semantics), one slot per
 head of the group. Row statistics (max, sum, delta) are kept as (rows, 128) lane-replicated
 tiles, as in jax's splash attention, so that broadcasting against (rows, keys) tiles needs no
-relayout. lse, dlse and delta travel as lane-dense rows [B, H, 1, N] (block (g, 1, block_q));
+relayout. lse, dlse and delta travel as lane-dense rows [B, H, 1, N] (block (g, 1, rows));
 the dK/dV kernel computes transposed tiles (keys x queries) so those rows broadcast without
 relayout; the dQ kernel and the key mask of the dK/dV kernel turn a row into a column with
 `expand_dims(row, -1)` (the relayout splash uses).
 
 TPU block constraints: block dims divisible by (8, 128) or equal to the array dims, so every
-block size is a power of two >= 128 and the sequence is padded to a multiple of the largest.
+configured block size is a power of two >= 128 (a block of a dilated call is lcm(dilations)
+times a power of two >= 128) and the sequence is padded to a multiple of the largest times
+lcm(dilations).
 Verified here: interpret mode on CPU against the dense reference (forward and gradients), and
 compiled by XLA's TPU compiler and Mosaic on CPU through libtpu's compile-only client
 (tests/test_tpu_aot.py); not yet run or timed on a TPU.
@@ -61,6 +70,7 @@ from __future__ import annotations
 import functools
 import math
 
+import jax
 from jax import lax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -109,9 +119,10 @@ def _row_part(r, rows):
   return pl.ds(r * rows, rows)
 
 
-def _softmax_step(m_ref, l_ref, acc_ref, h, rows, s_QxK, v_KxD):
+def _softmax_step(m_ref, l_ref, acc_ref, h, rows, s_QxK, v_KxD, pv_dims=NN_DIMS):
   """One key tile (band block or global keys) of head `h`'s online softmax for the query rows
-  `rows` of the block; masked scores are -inf."""
+  `rows` of the block; masked scores are -inf. pv_dims: how P [Q, K] meets v (NT_DIMS: v given
+  transposed, [D, K])."""
   head_dim = acc_ref.shape[-1]
   m_prev_Qx128 = m_ref.at[h][rows]
   m_next_Qx128 = jnp.maximum(m_prev_Qx128, jnp.max(s_QxK, axis=1)[:, None])
@@ -122,7 +133,7 @@ def _softmax_step(m_ref, l_ref, acc_ref, h, rows, s_QxK, v_KxD):
   m_ref.at[h][rows] = m_next_Qx128
   l_ref.at[h][rows] = alpha_Qx128 * l_ref.at[h][rows] + jnp.sum(p_QxK, axis=1)[:, None]
   acc_ref.at[h][rows] = (_widen(alpha_Qx128, head_dim) * acc_ref.at[h][rows]
-                      + _f32_dot(p_QxK.astype(v_KxD.dtype), v_KxD, NN_DIMS))
+                      + _f32_dot(p_QxK.astype(v_KxD.dtype), v_KxD, pv_dims))
 
 
 def _global_keep(gkeep_ref, rows):
@@ -623,3 +634,148 @@ def backward(q, k, v, mask_BxN, glob, out, do, lse_BxHxN, dlse_BxHxN, cfg):
                 for part in global_parts)
     dglob = (dkg, dvg, None)
   return dq.reshape(q.shape), dk.reshape(q.shape), dv.reshape(q.shape), dglob
+
+
+# ---------------------------------------------------------------------------------------------
+# The global rows (docs/design.md §2.1 step 4): the G global queries of each head against every
+# key, on the global projections k_g, v_g as XLA lays [B, N, H, D] out on TPU (N minor: 64
+# features would pad to 128 lanes), i.e. the transposed view [B, H, D, N] is a free bitcast and
+# a block (D, keys) is lane-dense. XLA's own batched matmuls for this pass read and wrote several
+# times the operands (about 14 passes over a [B, N, H*D] array for forward + backward, where
+# reading k_g, v_g twice and writing their gradients once is 6).
+
+def _global_rows_block(num_keys: int) -> int:
+  """Keys per block: the largest of 2048 .. 128 that divides N (the lanes of a (D, keys) tile)."""
+  return next(b for b in (2048, 1024, 512, 256, 128) if num_keys % b == 0)
+
+
+def _global_rows_fwd_kernel(q_ref, kt_ref, vt_ref, mask_ref, o_ref, lse_ref, m_ref, l_ref,
+                            acc_ref, *, scale, num_steps):
+  step = pl.program_id(2)
+
+  @pl.when(step == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  keep_1xK = mask_ref[...] > 0.5
+  zero = jnp.zeros((), vt_ref.dtype)
+  s_GxK = _f32_dot(q_ref[...], jnp.where(keep_1xK, kt_ref[...], zero), NN_DIMS) * scale
+  every_row = pl.ds(0, q_ref.shape[0])
+  _softmax_step(m_ref, l_ref, acc_ref, 0, every_row, jnp.where(keep_1xK, s_GxK, -jnp.inf),
+                jnp.where(keep_1xK, vt_ref[...], zero), pv_dims=NT_DIMS)
+
+  @pl.when(step == num_steps - 1)
+  def _finish():
+    l_Gx128 = l_ref[0]
+    has_key_Gx128 = l_Gx128 > 0.0
+    l_safe_Gx128 = jnp.where(has_key_Gx128, l_Gx128, 1.0)
+    o_ref[...] = acc_ref[0] * _widen(1.0 / l_safe_Gx128, acc_ref.shape[-1])
+    lse_ref[...] = jnp.where(has_key_Gx128, m_ref[0] + jnp.log(l_safe_Gx128), EMPTY_LSE)
+
+
+def _global_rows_bwd_kernel(q_ref, do_ref, lse_ref, delta_ref, kt_ref, vt_ref, mask_ref,
+                            dkt_ref, dvt_ref, dq_ref, *, scale):
+  keep_1xK = mask_ref[...] > 0.5
+  zero = jnp.zeros((), kt_ref.dtype)
+  kt_DxK = jnp.where(keep_1xK, kt_ref[...], zero)
+  vt_DxK = jnp.where(keep_1xK, vt_ref[...], zero)
+  q_GxD, do_GxD = q_ref[...], do_ref[...]
+  s_GxK = _f32_dot(q_GxD, kt_DxK, NN_DIMS) * scale
+  p_GxK = jnp.where(keep_1xK, jnp.exp(s_GxK - _widen(lse_ref[...], s_GxK.shape[1])), 0.0)
+  dvt_ref[...] = _f32_dot(do_GxD, p_GxK.astype(do_GxD.dtype), TN_DIMS).astype(dvt_ref.dtype)
+  dp_GxK = _f32_dot(do_GxD, vt_DxK, NN_DIMS)
+  ds_GxK = (p_GxK * (dp_GxK - _widen(delta_ref[...], s_GxK.shape[1]))).astype(q_GxD.dtype)
+  dkt_ref[...] = (_f32_dot(q_GxD, ds_GxK, TN_DIMS) * scale).astype(dkt_ref.dtype)
+  dq_ref[...] = _f32_dot(ds_GxK, kt_DxK, NT_DIMS) * scale
+
+
+def _global_rows_specs(q_rows, kt, block):
+  """BlockSpecs of the global-rows kernels, grid (batch, head, key block)."""
+  num_global, head_dim = q_rows.shape[2:]
+  rows = pl.BlockSpec((None, None, num_global, head_dim), lambda b, h, j: (b, h, 0, 0))
+  stats = pl.BlockSpec((None, None, num_global, LANES), lambda b, h, j: (b, h, 0, 0))
+  keys = pl.BlockSpec((None, None, head_dim, block), lambda b, h, j: (b, h, 0, j))
+  mask = pl.BlockSpec((None, 1, block), lambda b, h, j: (b, 0, j))
+  del kt
+  return rows, stats, keys, mask
+
+
+def _global_rows_call(q_BxHxGxD, kt_BxHxDxN, vt_BxHxDxN, mask_Bx1xN, interpret):
+  """-> (out [B, H, G, D] float32, lse [B, H, G, 128] float32, lane-replicated)."""
+  batch, heads, num_global, head_dim = q_BxHxGxD.shape
+  seq = kt_BxHxDxN.shape[-1]
+  block = _global_rows_block(seq)
+  rows, stats, keys, mask = _global_rows_specs(q_BxHxGxD, kt_BxHxDxN, block)
+  args = (q_BxHxGxD, kt_BxHxDxN, vt_BxHxDxN, mask_Bx1xN)
+  return pl.pallas_call(
+      functools.partial(_global_rows_fwd_kernel, scale=1.0 / math.sqrt(head_dim),
+                        num_steps=seq // block),
+      grid=(batch, heads, seq // block),
+      in_specs=[rows, keys, keys, mask],
+      out_specs=[rows, stats],
+      out_shape=[out_struct((batch, heads, num_global, head_dim), jnp.float32, *args),
+                 out_struct((batch, heads, num_global, LANES), jnp.float32, *args)],
+      scratch_shapes=[pltpu.VMEM((1, num_global, LANES), jnp.float32),
+                      pltpu.VMEM((1, num_global, LANES), jnp.float32),
+                      pltpu.VMEM((1, num_global, head_dim), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret, name="global_rows_fwd_tpu")(*args)
+
+
+def _transposed(x_BxNxHxD):
+  """[B, N, H, D] -> [B, H, D, N]: a bitcast of XLA's TPU layout of [B, N, H, D] (N minor)."""
+  return jnp.transpose(x_BxNxHxD, (0, 2, 3, 1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def global_rows(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN, interpret=False):
+  """The G global queries [B, G, H, D] of each head against every key of k_g, v_g [B, N, H, D]
+  (N a multiple of 128), keys outside key_mask [B, N] never read (a select: NaN there reaches
+  nothing). Inputs in their dtype, float32 accumulation and softmax; returns [B, G, H, D] in
+  q's dtype (rows with no key: 0); gradients of all three, k_g's and v_g's in their dtype."""
+  return _global_rows_fwd(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN,
+                          interpret)[0]
+
+
+def _global_rows_fwd(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN, interpret):
+  q_BxHxGxD = jnp.swapaxes(q_rows_BxGxHxD.astype(k_g_BxNxHxD.dtype), 1, 2)
+  mask_Bx1xN = key_mask_BxN.astype(jnp.float32)[:, None, :]
+  kt, vt = _transposed(k_g_BxNxHxD), _transposed(v_g_BxNxHxD)
+  out_BxHxGxD, lse_BxHxGx128 = _global_rows_call(q_BxHxGxD, kt, vt, mask_Bx1xN, interpret)
+  out = jnp.swapaxes(out_BxHxGxD, 1, 2).astype(q_rows_BxGxHxD.dtype)
+  residuals = (q_BxHxGxD, kt, vt, mask_Bx1xN, out_BxHxGxD, lse_BxHxGx128,
+               jnp.zeros((), q_rows_BxGxHxD.dtype))
+  return out, residuals
+
+
+def _global_rows_bwd(interpret, residuals, dout_BxGxHxD):
+  q_BxHxGxD, kt, vt, mask_Bx1xN, out_BxHxGxD, lse_BxHxGx128, q_dtype = residuals
+  batch, heads, num_global, head_dim = q_BxHxGxD.shape
+  seq = kt.shape[-1]
+  block = _global_rows_block(seq)
+  do_BxHxGxD = jnp.swapaxes(dout_BxGxHxD, 1, 2).astype(jnp.float32)
+  delta_BxHxGx1 = jnp.sum(do_BxHxGxD * out_BxHxGxD, axis=-1, keepdims=True)
+  delta_BxHxGx128 = jnp.broadcast_to(delta_BxHxGx1, lse_BxHxGx128.shape)
+  rows, stats, keys, mask = _global_rows_specs(q_BxHxGxD, kt, block)
+  parts = pl.BlockSpec((None, None, None, num_global, head_dim), lambda b, h, j: (b, h, j, 0, 0))
+  args = (q_BxHxGxD, do_BxHxGxD.astype(kt.dtype), lse_BxHxGx128, delta_BxHxGx128, kt, vt,
+          mask_Bx1xN)
+  dkt, dvt, dq_parts = pl.pallas_call(
+      functools.partial(_global_rows_bwd_kernel, scale=1.0 / math.sqrt(head_dim)),
+      grid=(batch, heads, seq // block),
+      in_specs=[rows, rows, stats, stats, keys, keys, mask],
+      out_specs=[keys, keys, parts],
+      out_shape=[out_struct(kt.shape, kt.dtype, *args), out_struct(vt.shape, vt.dtype, *args),
+                 out_struct((batch, heads, seq // block, num_global, head_dim), jnp.float32,
+                            *args)],
+      compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",) * 3),
+      interpret=interpret, name="global_rows_bwd_tpu")(*args)
+  untranspose = lambda x: jnp.transpose(x, (0, 3, 1, 2))  # [B, H, D, N] -> [B, N, H, D]
+  dq = jnp.swapaxes(jnp.sum(dq_parts, axis=2), 1, 2).astype(q_dtype.dtype)
+  return dq, untranspose(dkt), untranspose(dvt), None
+
+
+global_rows.defvjp(_global_rows_fwd, _global_rows_bwd)
