@@ -266,61 +266,70 @@ def _global_rows(q_g, k_g, v_g, idx_BxG, attention_mask):
   return out
 
 
+def _block_diagonal(rows_BxGxHxD):
+  """[B, G, H, D] -> [B, G*H, H*D]: row (g, h) holds head h's vector in head h's lanes, zeros
+  elsewhere, so that one matmul against a [B, N, H*D] array computes every head's products."""
+  batch, slots, heads, head_dim = rows_BxGxHxD.shape
+  eye_HxH = jnp.eye(heads, dtype=rows_BxGxHxD.dtype)
+  rows = rows_BxGxHxD[:, :, :, None, :] * eye_HxH[None, None, :, :, None]
+  return rows.reshape(batch, slots * heads, heads * head_dim)
+
+
+def _diagonal(x_BxKxC, heads: int):
+  """The inverse of `_block_diagonal`: [B, G*H, H*D] -> [B, G, H, D], head h's lanes of row
+  (g, h)."""
+  batch, rows, lanes = x_BxKxC.shape
+  x = x_BxKxC.reshape(batch, rows // heads, heads, heads, lanes // heads)
+  eye_HxH = jnp.eye(heads, dtype=x.dtype)
+  return jnp.sum(x * eye_HxH[None, None, :, :, None], axis=3)
+
+
 def _dot(spec, a, b, dtype):
   return jnp.einsum(spec, a, b, preferred_element_type=dtype)
 
 
 @jax.custom_vjp
-def _global_rows_dense(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN):
-  """Step 4 on k_g, v_g as they arrive ([B, N, H, D]): the G global queries against every key,
-  inputs in their dtype, float32 accumulation and softmax, the gradients of k_g and v_g written
-  in their dtype (no float32 copy of a full-size array). Per head the products are
-  [G, D] x [D, N], contracted over D with the N keys as the long dimension: on TPU, where XLA
-  lays [B, N, H, D] out with N minor (64 features would pad to 128 lanes), the operands are
-  used in place, with no transposed or flattened copy. Keys outside `key_mask` get probability
-  exactly 0 and v_g is read through a select there, so NaN or inf at padding reaches nothing.
-  Returns [B, G, H, D] in q's dtype (rows with no key: 0)."""
-  return _global_rows_dense_fwd(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN)[0]
+def _global_rows_dense(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN):
+  """Step 4 with k_g, v_g as [B, N, H*D], zeroed at padding (the GPU path's, and TPU lengths
+  that `band_mosaic.global_rows` does not take): the G global queries, block-diagonal
+  (`_block_diagonal`), against every key in one matmul per product, with no transposed copy on
+  a GPU; inputs in their dtype, float32 accumulation and softmax, the gradients of k_g and v_g
+  written in their dtype: no float32 copy of a full-size array. Returns [B, G, H, D] in q's
+  dtype (rows with no key: 0)."""
+  return _global_rows_dense_fwd(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN)[0]
 
 
-def _global_rows_dense_fwd(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN):
-  dtype = k_g_BxNxHxD.dtype
+def _global_rows_dense_fwd(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN):
+  heads, dtype = q_rows_BxGxHxD.shape[2], k_g_BxNxC.dtype
   scale = 1.0 / math.sqrt(q_rows_BxGxHxD.shape[3])
-  q_BxGxHxD = q_rows_BxGxHxD.astype(dtype)
-  k_g_BxNxHxD, v_g_BxNxHxD = (_zero_masked_keys(x, key_mask_BxN)
-                              for x in (k_g_BxNxHxD, v_g_BxNxHxD))
-  keep_Bx1x1xN = key_mask_BxN[:, None, None, :]
-  s_BxGxHxN = _dot("bghd,bnhd->bghn", q_BxGxHxD, k_g_BxNxHxD, jnp.float32) * scale
-  s_BxGxHxN = jnp.where(keep_Bx1x1xN, s_BxGxHxN, -jnp.inf)
-  m_BxGxHx1 = jnp.max(s_BxGxHxN, axis=-1, keepdims=True)
-  m_BxGxHx1 = jnp.where(m_BxGxHx1 == -jnp.inf, 0.0, m_BxGxHx1)  # a row with no key: p = 0
-  p_BxGxHxN = jnp.where(keep_Bx1x1xN, jnp.exp(s_BxGxHxN - m_BxGxHx1), 0.0)
-  l_BxGxHx1 = jnp.sum(p_BxGxHxN, axis=-1, keepdims=True)
-  p_BxGxHxN = p_BxGxHxN * jnp.where(l_BxGxHx1 > 0, 1.0 / jnp.where(l_BxGxHx1 > 0, l_BxGxHx1, 1.0),
-                                    0.0)
-  out_BxGxHxD = _dot("bghn,bnhd->bghd", p_BxGxHxN.astype(dtype), v_g_BxNxHxD, jnp.float32)
-  residuals = (q_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, p_BxGxHxN, out_BxGxHxD,
+  q_BxKxC = _block_diagonal(q_rows_BxGxHxD.astype(dtype))
+  s_BxKxN = _dot("bkc,bnc->bkn", q_BxKxC, k_g_BxNxC, jnp.float32) * scale
+  s_BxKxN = jnp.where(key_mask_BxN[:, None, :], s_BxKxN, -jnp.inf)
+  m_BxKx1 = jnp.max(s_BxKxN, axis=-1, keepdims=True)
+  m_BxKx1 = jnp.where(m_BxKx1 == -jnp.inf, 0.0, m_BxKx1)  # a row with no key: p = 0
+  p_BxKxN = jnp.exp(s_BxKxN - m_BxKx1)
+  l_BxKx1 = jnp.sum(p_BxKxN, axis=-1, keepdims=True)
+  p_BxKxN = p_BxKxN * jnp.where(l_BxKx1 > 0, 1.0 / jnp.where(l_BxKx1 > 0, l_BxKx1, 1.0), 0.0)
+  o_BxKxC = _dot("bkn,bnc->bkc", p_BxKxN.astype(dtype), v_g_BxNxC, jnp.float32)
+  out_BxGxHxD = _diagonal(o_BxKxC, heads)
+  residuals = (q_BxKxC, k_g_BxNxC, v_g_BxNxC, p_BxKxN, out_BxGxHxD,
                jnp.zeros((), q_rows_BxGxHxD.dtype))
   return out_BxGxHxD.astype(q_rows_BxGxHxD.dtype), residuals
 
 
-def _zero_masked_keys(x_BxNxHxD, key_mask_BxN):
-  return jnp.where(key_mask_BxN[:, :, None, None], x_BxNxHxD, jnp.zeros((), x_BxNxHxD.dtype))
-
-
 def _global_rows_dense_bwd(residuals, dout_BxGxHxD):
-  q_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, p_BxGxHxN, out_BxGxHxD, q_dtype = residuals
-  dtype = k_g_BxNxHxD.dtype
+  q_BxKxC, k_g_BxNxC, v_g_BxNxC, p_BxKxN, out_BxGxHxD, q_dtype = residuals
+  heads, dtype = dout_BxGxHxD.shape[2], k_g_BxNxC.dtype
   scale = 1.0 / math.sqrt(dout_BxGxHxD.shape[3])
   dout_BxGxHxD = dout_BxGxHxD.astype(jnp.float32)
-  dout_lo = dout_BxGxHxD.astype(dtype)
-  # The [N, H, D] gradients contract over the G global rows only: written in the input dtype.
-  dv_g = _dot("bghn,bghd->bnhd", p_BxGxHxN.astype(dtype), dout_lo, dtype)
-  dp_BxGxHxN = _dot("bghd,bnhd->bghn", dout_lo, v_g_BxNxHxD, jnp.float32)
-  delta_BxGxHx1 = jnp.sum(dout_BxGxHxD * out_BxGxHxD, axis=-1, keepdims=True)
-  ds_BxGxHxN = (p_BxGxHxN * (dp_BxGxHxN - delta_BxGxHx1) * scale).astype(dtype)
-  dk_g = _dot("bghn,bghd->bnhd", ds_BxGxHxN, q_BxGxHxD, dtype)  # 0 where p is 0
-  dq_rows = _dot("bghn,bnhd->bghd", ds_BxGxHxN, k_g_BxNxHxD, jnp.float32)
+  dout_BxKxC = _block_diagonal(dout_BxGxHxD).astype(dtype)
+  # The [N, H*D] gradients contract over the G*H global rows only: written in the input dtype.
+  dv_g = _dot("bkn,bkc->bnc", p_BxKxN.astype(dtype), dout_BxKxC, dtype)
+  dp_BxKxN = _dot("bkc,bnc->bkn", dout_BxKxC, v_g_BxNxC, jnp.float32)
+  delta_BxK = jnp.sum(dout_BxGxHxD * out_BxGxHxD, axis=-1).reshape(dp_BxKxN.shape[:2])
+  ds_BxKxN = (p_BxKxN * (dp_BxKxN - delta_BxK[..., None]) * scale).astype(dtype)
+  dk_g = _dot("bkn,bkc->bnc", ds_BxKxN, q_BxKxC, dtype)
+  dq_rows = _diagonal(_dot("bkn,bnc->bkc", ds_BxKxN, k_g_BxNxC, jnp.float32), heads)
   return dq_rows.astype(q_dtype.dtype), dk_g, dv_g, None
 
 
@@ -362,8 +371,10 @@ def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv
   if rows_kernel and seq % 128 == 0:  # its key blocks are whole multiples of 128 lanes
     from longformer_jax.ops import band_mosaic  # Lazy: only the TPU path needs Mosaic.
     global_rows = band_mosaic.global_rows(q_rows, k_g, v_g, attention_mask)
-  else:
-    global_rows = _global_rows_dense(q_rows, k_g, v_g, attention_mask)
+  else:  # zeroed at padding by a select the matmuls' operands fuse
+    keep_BxNx1 = attention_mask[:, :, None]
+    zeroed = lambda x: jnp.where(keep_BxNx1, flat(x), jnp.zeros((), x.dtype))
+    global_rows = _global_rows_dense(q_rows, zeroed(k_g), zeroed(v_g), attention_mask)
   return _scatter_global_rows(flat(out), flat(global_rows), idx_BxG, valid_BxG)
 
 

@@ -640,9 +640,9 @@ def backward(q, k, v, mask_BxN, glob, out, do, lse_BxHxN, dlse_BxHxN, cfg):
 # The global rows (docs/design.md §2.1 step 4): the G global queries of each head against every
 # key, on the global projections k_g, v_g as XLA lays [B, N, H, D] out on TPU (N minor: 64
 # features would pad to 128 lanes), i.e. the transposed view [B, H, D, N] is a free bitcast and
-# a block (D, keys) is lane-dense. XLA's own batched matmuls for this pass read and wrote several
-# times the operands (about 14 passes over a [B, N, H*D] array for forward + backward, where
-# reading k_g, v_g twice and writing their gradients once is 6).
+# a block (D, keys) is lane-dense. XLA's own forms of this pass read and wrote the operands
+# several times (10.6 to 14.4 passes over a [B, N, H*D] array in XLA's estimate, forward +
+# backward, where reading k_g, v_g twice and writing their gradients once is 6).
 
 def _global_rows_block(num_keys: int) -> int:
   """Keys per block: the largest of 2048 .. 128 that divides N (the lanes of a (D, keys) tile)."""
