@@ -268,19 +268,22 @@ class TestTpuBand(TestTritonBand):
 
   @pytest.mark.parametrize("mutation", ["head_offset", "dropped_global_key"])
   def test_dilation_and_global_keys_catches_mutations(self, mutation, monkeypatch):
-    """The check above fails on a kernel that addresses a run of heads one lane group off, or
-    that drops the last real global key (the case has 2 global keys in row 0)."""
+    """The check above fails on a kernel that addresses its heads one lane group off (each
+    group then runs with its neighbour's dilation), or that drops the last real global key (the
+    case has 2 global keys in row 0)."""
     from longformer_jax.ops import band_mosaic
     # The kernels are jitted with their configuration static: retrace them with the mutation,
     # and again without it afterwards.
     jax.clear_caches()
     if mutation == "head_offset":
-      init = band_mosaic._Run.__init__
+      from jax.experimental import pallas as pl
+      tile = band_mosaic._Layout.tile
 
-      def shifted(run, dilation, first_head, *args):
-        init(run, dilation, first_head, *args)
-        run.g0 = (run.g0 + 1) % run.lane_blocks
-      monkeypatch.setattr(band_mosaic._Run, "__init__", shifted)
+      def shifted(layout, rows, block_of):  # every tile one lane group further
+        spec = tile(layout, rows, block_of)
+        return pl.BlockSpec(spec.block_shape, lambda b, g, i, s: spec.index_map(
+            b, (g + 1) % layout.groups, i, s))
+      monkeypatch.setattr(band_mosaic._Layout, "tile", shifted)
     else:
       global_keep = band_mosaic._global_keep
 
@@ -299,6 +302,40 @@ class TestTpuBand(TestTritonBand):
 
 class TestTpuBandInterpret(TestTpuBand):
   INTERPRET = True
+
+  @pytest.mark.parametrize("seq, num_global, dtype", [(384, 3, jnp.float32),
+                                                      (256, 2, jnp.bfloat16)])
+  def test_global_rows_kernel(self, seq, num_global, dtype):
+    """The global rows' TPU kernel (`band_mosaic.global_rows`: 3 key blocks of 128 at 384, one
+    of 256) against the XLA pass of the op (`_global_rows_dense`, on inputs zeroed at masked
+    keys), out and the gradients of the rows, k_g and v_g; NaN at masked keys (and a row of the
+    batch with no key at all) reaches nothing."""
+    from longformer_jax.ops import band_mosaic
+    batch, heads, head_dim = 2, 3, 64
+    rng = np.random.default_rng(seq)
+    q = jnp.asarray(rng.standard_normal((batch, num_global, heads, head_dim)), dtype)
+    k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
+            for _ in range(2))
+    mask = jnp.asarray(rng.random((batch, seq)) > 0.3).at[1].set(False)
+    keep = mask[:, :, None, None]
+
+    def kernel(q, k, v):
+      return band_mosaic.global_rows(q, jnp.where(keep, k, jnp.nan), jnp.where(keep, v, jnp.nan),
+                                     mask, True)
+
+    def reference(q, k, v):
+      flat = lambda x: jnp.where(keep, x, 0).reshape(batch, seq, heads * head_dim)
+      return attention_ops._global_rows_dense(q, flat(k), flat(v), mask)
+
+    out, kernel_vjp = jax.vjp(kernel, q, k, v)
+    out_ref, reference_vjp = jax.vjp(reference, q, k, v)
+    tol = tolerance(dtype)
+    assert_close(out, out_ref, tol, "out")
+    dout = jnp.asarray(rng.standard_normal(out.shape), dtype)
+    for name, g, g_ref in zip(("dq_rows", "dk_g", "dv_g"), kernel_vjp(dout),
+                              reference_vjp(dout)):
+      assert g.dtype == dtype
+      assert_close(g, g_ref, tol, name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -131,6 +131,7 @@ OP_CASES = [
     OpCase(jnp.float32, True, 999, 1, False, "seq", P("data")),
     OpCase(jnp.bfloat16, False, 1001, (1, 1, 2, 2), True, "seq", P("data")),
     OpCase(jnp.float32, False, 1024, (1, 2, 1, 2), True, "seq", P("data", "seq")),
+    OpCase(jnp.bfloat16, False, 1024, (1, 1, 2, 2), True, None, P(("data", "seq"))),
 ]
 
 
@@ -156,16 +157,18 @@ def _op_program(mesh, case: OpCase, grad: bool):
 
 @pytest.mark.parametrize("case", OP_CASES, ids=str)
 def test_op_gradients_compile_with_the_mosaic_kernel(slice_2x2, case):
-  """value_and_grad of the op (forward, then the backward kernels) per dilation group: 3 Mosaic
-  calls each; the interpret path would have none."""
-  groups = len(set(case.dilation)) if isinstance(case.dilation, tuple) else 1
+  """value_and_grad of the op: 3 Mosaic calls (forward, dQ, dK/dV), whatever the dilations (one
+  launch of each kernel takes every head), and with global tokens over whole sequences 2 more
+  (the global rows' forward and backward, `band_mosaic.global_rows`; the sequence-split path
+  computes them as merged partial softmaxes); the interpret path would have none."""
   compiled = _op_program(slice_2x2, case, grad=True)
-  assert tpu_testing.mosaic_calls(compiled) == 3 * groups
+  rows_kernel = case.globals and case.seq_axis is None
+  assert tpu_testing.mosaic_calls(compiled) == 3 + 2 * rows_kernel
 
 
 def test_op_forward_compiles_with_the_mosaic_kernel(slice_2x2):
   compiled = _op_program(slice_2x2, OP_CASES[2], grad=False)
-  assert tpu_testing.mosaic_calls(compiled) == 2  # one band kernel per dilation group
+  assert tpu_testing.mosaic_calls(compiled) == 1  # one band kernel for every dilation
 
 
 def test_benchmark_quick(tmp_path):
@@ -229,9 +232,9 @@ def test_row_groups_on_a_multi_host_slice():
 
 @pytest.mark.parametrize("slice_name", ["v5e:1x1", "v6e:1x1", "v5p:1x1x1"])
 def test_band_kernel_with_dilation_and_global_keys_compiles(slice_name):
-  """Forward + backward of the kernel with two runs of heads (dilation 1 and 2, each addressed
-  in place: one launch of each kernel per run) and a global key tile, on one chip of each
-  generation."""
+  """Forward + backward of the kernel with two runs of heads (dilation 1 and 2, addressed in
+  place by one launch of each kernel: strided rows of a block) and a global key tile, on one chip
+  of each generation."""
   mesh = tpu_testing.tpu_mesh(slice_name, (1,), ("data",))
   batch, seq, heads = 1, 4096, 4
   qkv = tpu_testing.sds((batch, seq, heads, HEAD_DIM), jnp.bfloat16, mesh)
@@ -247,4 +250,4 @@ def test_band_kernel_with_dilation_and_global_keys_compiles(slice_name):
 
   grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
   compiled = grad.lower(qkv, qkv, qkv, glob, glob, *masks).compile()
-  assert tpu_testing.mosaic_calls(compiled) == 6  # 2 runs x (fwd, dq, dk/dv)
+  assert tpu_testing.mosaic_calls(compiled) == 3  # fwd, dq, dk/dv, each for both dilations

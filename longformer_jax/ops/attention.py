@@ -216,14 +216,23 @@ def _merge_band_and_global_keys(band_out, band_lse, q, k_glob, v_glob, valid_BxG
   return w_band * band_out.astype(jnp.float32) + w_glob * glob_out.astype(jnp.float32)
 
 
-def _scatter_global_rows(out, rows_BxGxHxD, idx_BxG, valid_BxG):
-  """Step 4's rows written over the global positions."""
-  scatter_idx = jnp.where(valid_BxG, idx_BxG, out.shape[1])  # filler slots point past the end
-  batch_idx = jnp.arange(out.shape[0])[:, None]
-  # unique_indices: the real slots are distinct positions and the fillers are dropped; without
-  # it the scatter's JVP scatters 32-bit ids over a full-size copy of out to find the winners.
-  return out.at[batch_idx, scatter_idx].set(rows_BxGxHxD.astype(out.dtype), mode="drop",
-                                             unique_indices=True)
+def _slot_hits(idx_BxG, valid_BxG, seq: int):
+  """bool [B, N] per slot: the position each real slot holds (slots hold distinct positions)."""
+  positions_1xN = jnp.arange(seq)[None, :]
+  return [valid_BxG[:, g:g + 1] & (idx_BxG[:, g:g + 1] == positions_1xN)
+          for g in range(idx_BxG.shape[1])]
+
+
+def _scatter_global_rows(out, rows_BxGx_, idx_BxG, valid_BxG):
+  """Step 4's rows written over the global positions of out [B, N, ...]: one select per slot
+  rather than a scatter. Elementwise, XLA fuses the selects with those around them (and their
+  transposes with the cotangent's), where a scatter and its transpose each copied a full-size
+  array."""
+  expand = (1,) * (out.ndim - 2)
+  rows_BxGx_ = rows_BxGx_.astype(out.dtype)
+  for g, hit_BxN in enumerate(_slot_hits(idx_BxG, valid_BxG, out.shape[1])):
+    out = jnp.where(hit_BxN.reshape(hit_BxN.shape + expand), rows_BxGx_[:, g:g + 1], out)
+  return out
 
 
 def _finish(out, attention_mask, global_mask, num_global, axis_name=None):
@@ -281,11 +290,12 @@ def _dot(spec, a, b, dtype):
 
 @jax.custom_vjp
 def _global_rows_dense(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN):
-  """Step 4 with k_g, v_g as [B, N, H*D] (lane-dense on TPU, where [..., H, 64] tiles pad 64
-  features to 128 lanes): the G global queries, block-diagonal (`_block_diagonal`), against
-  every key in one matmul per product; inputs in their dtype, float32 accumulation and softmax,
-  the gradients of k_g and v_g written in their dtype: no float32 copy of a full-size array.
-  Returns [B, G, H, D] in q's dtype (rows with no key: 0)."""
+  """Step 4 with k_g, v_g as [B, N, H*D], zeroed at padding (the GPU path's, and TPU lengths
+  that `band_mosaic.global_rows` does not take): the G global queries, block-diagonal
+  (`_block_diagonal`), against every key in one matmul per product, with no transposed copy on
+  a GPU; inputs in their dtype, float32 accumulation and softmax, the gradients of k_g and v_g
+  written in their dtype: no float32 copy of a full-size array. Returns [B, G, H, D] in q's
+  dtype (rows with no key: 0)."""
   return _global_rows_dense_fwd(q_rows_BxGxHxD, k_g_BxNxC, v_g_BxNxC, key_mask_BxN)[0]
 
 
@@ -326,43 +336,61 @@ def _global_rows_dense_bwd(residuals, dout_BxGxHxD):
 _global_rows_dense.defvjp(_global_rows_dense_fwd, _global_rows_dense_bwd)
 
 
-def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
-                   dilations, causal, num_global, head_shape):
-  """Steps 1-4, with global tokens, with a kernel that takes the dilation and the global keys
-  itself: the only work outside it is gathering the G global rows and the [G x N] pass of
-  step 4.
+def _select_rows(x_BxNxHxD, idx_BxG):
+  """Rows idx_BxG of x [B, N, H, D] as [B, G, H, D]: per slot, a sum over N of x where the
+  position is the slot's (exact: one nonzero term; a select, so NaN elsewhere reaches nothing).
+  Not a gather: on TPU XLA lays [B, N, H, D] out with N minor, and a gather along N made a
+  relaid-out copy of all of x and its transpose a scatter into another; these reductions read x
+  where it is, and their transposes are selects that fuse into the gradient's other terms."""
+  valid_BxG = jnp.ones(idx_BxG.shape, bool)
+  zero = jnp.zeros((), x_BxNxHxD.dtype)
+  return jnp.stack([jnp.sum(jnp.where(hit_BxN[:, :, None, None], x_BxNxHxD, zero), axis=1)
+                    for hit_BxN in _slot_hits(idx_BxG, valid_BxG, x_BxNxHxD.shape[1])], axis=1)
 
-  q, k, v and the global projections arrive as [B, N, H*D], head_shape = (H, D) (reshaped to
-  [B, N, H, D] only as the kernel's arguments), so that what XLA materializes around the kernel
-  (the zeroed padding, the global rows written over the output) is lane-dense on TPU. Returns
-  [B, N, H*D]."""
-  batch, seq, _ = q.shape
-  heads, head_dim = head_shape
-  as_heads = lambda x: x.reshape(batch, seq, heads, head_dim)
+
+def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
+                   dilations, causal, num_global, rows_kernel=False):
+  """Steps 1-4, with global tokens, with a kernel that takes the dilation and the global keys
+  itself: the only work outside it is gathering the G global rows, the [G x N] pass of step 4
+  (`_global_rows_dense`) and writing its rows over the output.
+
+  q, k, v [B, N, H, D] with their padding zeroed, the global projections as given (read where
+  they are used). Returns [B, N, H*D]: the kernel's output is row-major [B, N, H*D], so the
+  global rows are written over whole lane-dense rows."""
+  batch, seq, heads, head_dim = q.shape
   flat = lambda x: x.reshape(batch, -1, heads * head_dim)
   idx_BxG, valid_BxG = _global_slots(global_mask, num_global)
-  rows = lambda x: _gather_rows(x, idx_BxG).reshape(batch, num_global, heads, head_dim)
-  global_kv = (rows(k), rows(v), valid_BxG)
-  out, _ = band_kernel(as_heads(q), as_heads(k), as_heads(v), attention_mask & ~global_mask,
-                       window=window, causal=causal, dilation=dilations, global_kv=global_kv)
+  global_kv = (_select_rows(k, idx_BxG), _select_rows(v, idx_BxG), valid_BxG)
+  out, _ = band_kernel(q, k, v, attention_mask & ~global_mask, window=window, causal=causal,
+                       dilation=dilations, global_kv=global_kv)
   q_g, k_g, v_g = global_qkv
-  global_rows = _global_rows_dense(rows(q_g), k_g, v_g, attention_mask)
+  # Only the G rows of q_g are read: zeroed here (a padding position may be global) rather than
+  # by a select over all of q_g.
+  q_rows = jnp.where(_gather_rows(attention_mask, idx_BxG)[:, :, None, None],
+                     _select_rows(q_g, idx_BxG), jnp.zeros((), q_g.dtype))
+  if rows_kernel and seq % 128 == 0:  # its key blocks are whole multiples of 128 lanes
+    from longformer_jax.ops import band_mosaic  # Lazy: only the TPU path needs Mosaic.
+    global_rows = band_mosaic.global_rows(q_rows, k_g, v_g, attention_mask)
+  else:  # zeroed at padding by a select the matmuls' operands fuse
+    keep_BxNx1 = attention_mask[:, :, None]
+    zeroed = lambda x: jnp.where(keep_BxNx1, flat(x), jnp.zeros((), x.dtype))
+    global_rows = _global_rows_dense(q_rows, zeroed(k_g), zeroed(v_g), attention_mask)
   return _scatter_global_rows(flat(out), flat(global_rows), idx_BxG, valid_BxG)
 
 
 def _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
-             dilations, causal, num_global, fused=False):
-  """Steps 0-5 of the module docstring on whole sequences (one device, or one batch shard)."""
+             dilations, causal, num_global, fused=False, rows_kernel=False):
+  """Steps 0-5 of the module docstring on whole sequences (one device, or one batch shard).
+  rows_kernel: step 4 by the TPU kernel (`band_mosaic.global_rows`) where it takes the shape."""
   if fused and _has_slots(global_mask, num_global):
-    # [B, N, H*D] from here to the output (see _compose_fused): zeroing the padding, gathering
-    # and scattering the global rows touch no array with 64 features in the minor dim. (Without
-    # global tokens XLA fuses the zeroing into the kernel's operand copies either way.)
+    # q, k, v zeroed as without global tokens; the global projections are zeroed where they
+    # are read (`_compose_fused`, `_global_rows_dense`). From the kernel's output on, [B, N, H*D]
+    # (see _compose_fused).
     shape = q.shape
-    flat = lambda x: x.reshape(*shape[:2], -1)
-    q, k, v, global_qkv = zero_padding(attention_mask, jax.tree.map(flat, (q, k, v, global_qkv)))
+    q, k, v = zero_padding(attention_mask, (q, k, v))
     out = _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv,
                          window=window, dilations=dilations, causal=causal,
-                         num_global=num_global, head_shape=shape[2:])
+                         num_global=num_global, rows_kernel=rows_kernel)
     return _finish(out, attention_mask, global_mask, num_global).reshape(shape)
   q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
   if fused:
@@ -380,14 +408,15 @@ def _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, w
 
 def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *,
                             window, dilations, causal, num_global, axis_name, num_shards,
-                            fused=False):
+                            fused=False, rows_kernel=False):
   """Steps 0-5 on one shard of the sequence (inside shard_map; docs/design.md §2.6).
 
   The band: keys, values and the key mask are extended by the `window * dilation` rows each side
   that this shard's queries can reach (`halo_exchange`); the band kernel runs on the extended
   rows with zero queries in the halo, whose outputs are dropped (exact: a dropped row gets a
   zero cotangent, so it adds nothing to dK/dV). The band structure is translation invariant, so
-  dilation's residue classes need no global offset. Globals: see `_with_globals_sharded`.
+  dilation's residue classes need no global offset. Globals: see `_with_globals_sharded`
+  (`rows_kernel` is not used there: step 4 runs as partial softmaxes merged across shards).
   """
   n = q.shape[1]
   # Zeroed before the halo exchange: a shard's halo holds its neighbours' zeroed rows.
@@ -731,6 +760,8 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
                            global_qkv=global_qkv, **dense)
   static = dict(window=window, dilations=dilations, causal=causal, num_global=num_global)
   band_kernel, static["fused"] = _band_kernel(impl, platform)
+  if impl == "pallas" and platform == "tpu":
+    static["rows_kernel"] = True
   args = (q, k, v, attention_mask, global_mask, global_qkv)
   # The op's own shard_map checks varying manual axes (the kernels state them for their outputs,
   # `band_blocks.out_struct`), except around kernels in interpret mode: jax's Pallas HLO

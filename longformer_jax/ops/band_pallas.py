@@ -52,25 +52,21 @@ __all__ = ["BACKENDS", "GPU_HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "TPU
 # once per shape instead of re-interpreting it on every call; inlined under an outer jit.
 @functools.partial(jax.jit, static_argnums=(5,))
 def _forward_impl(q, k, v, mask_BxN, glob, cfg):
-  """-> (out, lse [B, H, N] in position order, the lse the backward keeps: the TPU kernels keep
-  a dilated head's rows residue-major, `band_mosaic.rows_order`)."""
+  """-> (out, lse [B, H, N])."""
   if cfg.backend == "tpu":
     from longformer_jax.ops import band_mosaic  # Lazy: only backend="tpu" needs Mosaic.
-    out, lse_rows = band_mosaic.forward(q, k, v, mask_BxN, glob, cfg)
-    return out, band_mosaic.rows_order(lse_rows, cfg, to_rows=False), lse_rows
-  out, lse = band_triton.forward(q, k, v, mask_BxN, glob, cfg)
-  return out, lse, lse
+    return band_mosaic.forward(q, k, v, mask_BxN, glob, cfg)
+  return band_triton.forward(q, k, v, mask_BxN, glob, cfg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _band_padded(q, k, v, mask_BxN, glob, cfg):
-  out, lse, _ = _forward_impl(q, k, v, mask_BxN, glob, cfg)
-  return out, lse
+  return _forward_impl(q, k, v, mask_BxN, glob, cfg)
 
 
 def _band_padded_fwd(q, k, v, mask_BxN, glob, cfg):
-  out, lse, lse_kept = _forward_impl(q, k, v, mask_BxN, glob, cfg)
-  return (out, lse), (q, k, v, mask_BxN, glob, out, lse_kept)
+  out, lse = _forward_impl(q, k, v, mask_BxN, glob, cfg)
+  return (out, lse), (q, k, v, mask_BxN, glob, out, lse)
 
 
 def _band_padded_bwd(cfg, residuals, cotangents):
