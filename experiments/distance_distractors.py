@@ -75,6 +75,9 @@ from distance_task import (ARMS, FULL_BAND, FULL_IMPL, check_cell, eval_sets, ev
                            train_arm, vocab_of)
 
 STUDY = "distance_distractors"
+# Overall held-out accuracy, (better, worse): a global token or full attention reaches the
+# evidence beyond the local field (the paper's reason for global attention, §3.1).
+CLAIMS = (("global", "local"), ("full", "local"))
 
 PRESETS = {
     "cpu": dict(seq_len=128, window=8, layers=2, hidden=64, heads=4, intermediate=256,
@@ -329,6 +332,22 @@ def plot(study: dict, path: Path) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
+def with_claims(study: dict) -> dict:
+  """`study` with "comparisons" (the overall accuracy of the arm pairs in `CLAIMS`, against the
+  detectable difference of the seeds) and "detectable_difference" derived from its per-seed
+  values, and the verdict's last line saying so. A results JSON of an older version (per-cell
+  comparisons under "comparisons") gets them moved to "cell_comparisons"."""
+  if "cell_comparisons" not in study:
+    study["cell_comparisons"] = study.pop("comparisons")
+  claims = [c for c in CLAIMS if set(c) <= set(study["arms"])]
+  if claims:
+    study_lib.summarize_claims(study, claims, higher_is_better=True)
+    head = "Overall accuracy against what the seeds can resolve (two-sample): "
+    study["verdict"] = [line for line in study["verdict"] if not line.startswith(head)] + [
+        head + study_lib.claims_sentence(study["comparisons"]) + "."]
+  return study
+
+
 def parse_args(argv):
   """The arguments and the size preset (a dict). Raises study.ArgumentError (a ValueError) on
   anything bad."""
@@ -361,7 +380,7 @@ def main(argv=None) -> int:
   args, p = parse_args(argv)
   out = Path(args.out)
   if args.replot:
-    plot(json.loads(out.read_text()), out.with_suffix(".png"))
+    study_lib.write(with_claims(json.loads(out.read_text())), out, plot)
     return 0
   study_lib.check_backend(args.device)
   from tqdm import tqdm
@@ -370,7 +389,7 @@ def main(argv=None) -> int:
   # Seeds and the cost panel repeat programs (the evaluation's, the cost panel's at the training
   # shape): the persistent cache serves them.
   study_lib.compilation_cache(STUDY)
-  study = run(args, p, log, start)
+  study = with_claims(run(args, p, log, start))
   study_lib.write(study, out, plot)
   log(f"wrote {out} and {out.with_suffix('.png')} ({study['seconds']:.0f} s)")
   print(f"accuracy (mean ± sd over seeds {args.seeds}, mean over K = {list(p['distractors'])})")
@@ -418,7 +437,7 @@ def run(args, p: dict, log, start: float) -> dict:
               file=sys.stderr) as pbar:
       cost = measure_cost(p, variants, pbar)
   heuristic = heuristic_summary(p, local_rf)
-  lines, comparisons = verdict(p, arms, local_rf, chance, heuristic)
+  lines, cell_comparisons = verdict(p, arms, local_rf, chance, heuristic)
   return {
       "study": STUDY,
       "metric": (f"held-out accuracy of the value predicted at the query position "
@@ -438,7 +457,7 @@ def run(args, p: dict, log, start: float) -> dict:
       "nearest_pair_heuristic": heuristic,
       "cost": cost,
       "verdict": lines,
-      "comparisons": comparisons,
+      "cell_comparisons": cell_comparisons,
       "decision_rule": ("a difference between two means counts only when it exceeds the sum of "
                         "their seed standard deviations (ddof=1) and 2 binomial standard errors "
                         "of the held-out rows behind them; 'above chance' likewise against "
