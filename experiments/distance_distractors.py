@@ -53,7 +53,6 @@ Writes experiments/results/distance_distractors.json ({"study", "metric", "arms"
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -70,9 +69,9 @@ study_lib.harness.pin_platform(
 import jax
 import numpy as np
 
-from distance_task import (ARMS, FULL_BAND, FULL_IMPL, check_cell, eval_sets, evaluate,
-                           measure_cost, model_config, nearest_pair_accuracy, receptive_field,
-                           train_arm, vocab_of)
+from distance_task import (ARMS, FULL_BAND, FULL_IMPL, check_cell, distance_axes, eval_sets,
+                           evaluate, measure_cost, model_config, nearest_pair_accuracy,
+                           receptive_field, train_arm, vocab_of)
 
 STUDY = "distance_distractors"
 # Overall held-out accuracy, (better, worse): a global token or full attention reaches the
@@ -299,14 +298,7 @@ def plot(study: dict, path: Path) -> None:
             linestyle=(0, (4, 2)), marker="x", markersize=4, linewidth=1, alpha=0.8,
             label="nearest pair, keys ignored (exact, mean over K)")
   ax.axhline(study["chance"], color="gray", linewidth=1, linestyle=":", label="chance")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("distance from the evidence to the query (tokens)")
-  ax.set_ylabel("held-out accuracy")
-  ax.set_ylim(-0.02, 1.02)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7, loc="lower left")
-  ax.set_title(f"key-value lookup, {setup['seq_len']}-token rows, {setup['steps']} steps",
-               fontsize=10)
+  distance_axes(ax, setup, legend_size=7)
   cost = study.get("cost") or {}
   for name, c in cost.items():
     axes[1].plot(c["lengths"], [b / 2**20 for b in c["temp_bytes"]], color=_COLORS[name],
@@ -378,20 +370,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args, p = parse_args(argv)
-  out = Path(args.out)
-  if args.replot:
-    study_lib.write(with_claims(json.loads(out.read_text())), out, plot)
-    return 0
-  study_lib.check_backend(args.device)
-  from tqdm import tqdm
-  start = time.perf_counter()
-  log = lambda text: tqdm.write(f"[{time.perf_counter() - start:6.0f}s] {text}", file=sys.stderr)
   # Seeds and the cost panel repeat programs (the evaluation's, the cost panel's at the training
   # shape): the persistent cache serves them.
-  study_lib.compilation_cache(STUDY)
-  study = with_claims(run(args, p, log, start))
-  study_lib.write(study, out, plot)
-  log(f"wrote {out} and {out.with_suffix('.png')} ({study['seconds']:.0f} s)")
+  study = study_lib.run_or_replot(args, STUDY, lambda log, start: run(args, p, log, start),
+                                  with_claims, plot)
   print(f"accuracy (mean ± sd over seeds {args.seeds}, mean over K = {list(p['distractors'])})")
   print(f"{'d':>5} " + "".join(f"{a:>14}" for a in study["arms"]))
   for d in p["distances"]:

@@ -13,7 +13,9 @@ line has chosen the platform (`parse_args` pins the CPU for --device cpu).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -80,6 +82,22 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   args.size_name = "tiny" if args.tiny else args.device
   harness.pin_platform(args.device)
   return args
+
+
+def parse_preset(doc: str, study: str, argv: Sequence[str] | None, presets: dict[str, dict]
+                 ) -> tuple[argparse.Namespace, dict]:
+  """The common arguments (`make_parser`, `parse_args`) of a study whose sizes are dicts, and a
+  copy of the preset the command line picked (`args.size_name`), its "steps" set by --steps."""
+  parser = make_parser(
+      doc, study, device_help="size preset: cpu (default, 2 cores) or gpu (bigger); cpu also "
+                              "pins JAX to the CPU",
+      replot_help="no training: recompute the comparisons, verdict and PNG from the per-seed "
+                  "values in the JSON at --out")
+  args = parse_args(parser, argv)
+  p = dict(presets[args.size_name])
+  if args.steps is not None:
+    p["steps"] = args.steps
+  return args, p
 
 
 def check_backend(device: str) -> None:
@@ -199,6 +217,29 @@ def claims_sentence(comparisons: Sequence[dict], unit: str = "") -> str:
   """One sentence per claim: the difference, the detectable difference, the outcome."""
   return "; ".join(f"{c['paper_says']}: {c['difference']:+.4f}{unit} (detectable "
                    f"{c['detectable_difference']:.4f}): {c['outcome']}" for c in comparisons)
+
+
+def run_or_replot(args: argparse.Namespace, study: str, run: Callable, summarize: Callable,
+                  plot: Callable[[dict, Path], None]) -> dict:
+  """What a study's `main` does once its arguments are parsed. --replot: `summarize` the JSON
+  at --out (its claims rederived from the stored per-seed values) and write it back with its
+  PNG. Otherwise: check the backend, turn on the compilation cache, `run(log, start)` for the
+  study dict (log(text) prints a timed line through tqdm), `summarize` it and write it. Returns
+  the study."""
+  out = Path(args.out)
+  if args.replot:
+    result = summarize(json.loads(out.read_text()))
+    write(result, out, plot)
+    return result
+  check_backend(args.device)
+  from tqdm import tqdm
+  start = time.perf_counter()
+  log = lambda text: tqdm.write(f"[{time.perf_counter() - start:6.0f}s] {text}", file=sys.stderr)
+  compilation_cache(study)  # every seed repeats every arm's programs
+  result = summarize(run(log, start))
+  write(result, out, plot)
+  log(f"wrote {out} and {out.with_suffix('.png')} ({result['seconds']:.0f} s)")
+  return result
 
 
 def compilation_cache(study: str) -> None:

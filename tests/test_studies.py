@@ -15,6 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
+from testing import assert_study_claims
 import dilation
 import study as study_lib
 import window_schedule
@@ -50,13 +51,7 @@ def check_schema(study: dict, name: str, arms: set[str]) -> None:
     assert all(np.isfinite(arm["values"]))
     assert arm["mean"] == pytest.approx(np.mean(arm["values"]))
     assert arm["std"] == pytest.approx(np.std(arm["values"], ddof=1))
-  for c in study["comparisons"]:
-    better, worse = c["paper_says"].split(" better than ")
-    a, b = study["arms"][better], study["arms"][worse]
-    assert c["difference"] == pytest.approx(b["mean"] - a["mean"])  # lower BPC is better
-    assert c["detectable_difference"] == pytest.approx(
-        study_lib.detectable_difference(a["values"], b["values"]))
-    assert c["outcome"] == study_lib.outcome(c["difference"], c["detectable_difference"])
+  assert_study_claims(study, study_lib, higher_is_better=False)  # lower BPC is better
   assert study["detectable_difference"]["seeds_per_arm"] == len(SEEDS)
   costs = {name: cost(arm) for name, arm in study["arms"].items()}
   assert len(set(costs.values())) == 1, f"attention costs differ: {costs}"
@@ -180,9 +175,4 @@ def test_every_committed_study_has_its_detectable_difference():
     study = json.loads(path.read_text())
     block = study["detectable_difference"]
     assert block["alpha"] == study_lib.ALPHA and block["power"] == study_lib.POWER, path.name
-    assert study["comparisons"], path.name
-    for c in study["comparisons"]:
-      better, worse = c["paper_says"].split(" better than ")
-      assert c["detectable_difference"] == pytest.approx(study_lib.detectable_difference(
-          study["arms"][better]["values"], study["arms"][worse]["values"])), path.name
-      assert c["outcome"] == study_lib.outcome(c["difference"], c["detectable_difference"])
+    assert_study_claims(study, study_lib, higher_is_better=None)
