@@ -160,8 +160,8 @@ def _sd_factor(n_a: int, n_b: int, alpha: float, power: float) -> float:
 
 
 def outcome(difference: float, detectable: float) -> str:
-  """"agree" or "disagree" when |difference| >= detectable (difference > 0: the paper's
-  direction), else "cannot resolve (detectable difference X)"."""
+  """The verdict on one claim: 'agree' or 'disagree' when |difference| >= detectable
+  (difference > 0: the paper's direction), else 'cannot resolve (detectable difference X)'."""
   if abs(difference) >= detectable and difference != 0:
     return "agree" if difference > 0 else "disagree"
   return f"cannot resolve (detectable difference {detectable:.3g})"
