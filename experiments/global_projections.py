@@ -32,8 +32,9 @@ distractors. The claims are checked against the detectable difference of the see
 (experiments/study.py).
 
 Sizes (`--device`): cpu (default): 128-token rows, window 8 (field 16), 2 layers x 64 (4 heads),
-1,500 steps of 16 rows, 3 seeds: ~11 minutes on 2 cores; gpu: 1,024-token rows, window 32,
-hidden 128, 4,000 steps of 64 rows; --tiny: seconds, for the tests.
+1,500 steps of 16 rows, 3 seeds: 21 minutes measured on 2 cores shared with another job; gpu:
+1,024-token rows, window 32, hidden 128, 4,000 steps of 64 rows; --tiny: seconds, for the
+tests.
 
     python experiments/global_projections.py                    # cpu size, seeds 0 1 2
     python experiments/global_projections.py --device gpu --seeds 0 1 2 3 4

@@ -30,8 +30,9 @@ ROUGE-L are stored and compared too. The claims are checked against the detectab
 the seeds (experiments/study.py).
 
 Sizes (`--device`): cpu (default): BART 128 positions -> LED 1,024 tokens, one-sided window 64,
-d_model 64, 2 + 2 layers, a 2,048-id BPE, 500 steps of 8 pairs, 3 seeds; gpu: BART 512 -> LED
-4,096 (window 256), d_model 256, 3 + 3 layers, 3,000 steps of 16; --tiny: seconds, for the tests.
+d_model 64, 2 + 2 layers, a 2,048-id BPE, 500 steps of 8 pairs, 3 seeds (38 min measured on 2
+cores shared at a load of about 10); gpu: BART 512 -> LED 4,096 (window 256), d_model 256,
+3 + 3 layers, 3,000 steps of 16; --tiny: seconds, for the tests.
 
     python experiments/led_truncation.py                  # cpu size, seeds 0 1 2
     python experiments/led_truncation.py --device gpu --seeds 0 1 2 3 4
