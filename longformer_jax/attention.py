@@ -132,7 +132,7 @@ class LongformerSelfAttention(nnx.Module):
     if global_mask_BxN is not None:
       if self.global_projections == "none":
         raise ValueError("a global_mask was given to an attention built without global "
-                         "attention (global_projections='none')")
+                         "projections (global_projections='none')")
       global_qkv = ((q_BxNxHxD, k_BxNxHxD, v_BxNxHxD) if self.global_projections == "shared"
                     else self._project(self.query_global, self.key_global, self.value_global,
                                        hidden_BxNxE))
