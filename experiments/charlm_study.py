@@ -1,7 +1,8 @@
 """What experiments/window_schedule.py and experiments/dilation.py share: char-LM arms on the
 bundled text8_sample, each trained for every seed with the library's `Trainer` (`CharLMTask`, one
 `Stage`) and scored with `tasks.charlm.evaluate_bpc` on the validation split; mean and sd over
-seeds, the paper's claims checked against the spread, the JSON, the PNG. The command line, the
+seeds, the paper's claims checked against what the seeds can resolve (study.py's detectable
+difference), the JSON, the PNG. The command line, the
 per-seed summaries and the writing are experiments/study.py's.
 
 Only the standard library and numpy are imported at the top: JAX (through `longformer_jax`) is
@@ -25,9 +26,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import study as study_lib  # experiments/study.py
 
 DATASET = "text8_sample"
-# A difference between two arms counts only when their mean ± sd bars do not overlap.
-RULE = ("a difference counts only when |mean_a - mean_b| > sd_a + sd_b (the mean ± sd bars over "
-        "seeds do not overlap; sd with ddof=1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,73 +154,44 @@ def train_and_score(cfg, size: Size, seed: int, data: dict, pbar, label: str) ->
 # Summaries and the verdict
 
 
-def compare(arms: dict, paper: dict, claims: Sequence[tuple[str, str]]) -> list[dict]:
-  """For each paper claim (better, worse): lower BPC for `better`. The measured difference is
-  mean(worse) - mean(better) (> 0: the paper's direction), and per seed (same seed: same
-  initialisation and batches in both arms)."""
-  out = []
-  for better, worse in claims:
-    a, b = arms[better], arms[worse]
-    diff = b["mean"] - a["mean"]
-    spread = a["std"] + b["std"]
-    out.append({
-        "paper_says": f"{better} < {worse}",
-        "paper_difference": round(paper[worse] - paper[better], 4),
-        "difference": diff, "spread": spread, "exceeds_spread": abs(diff) > spread,
-        "same_direction_as_paper": diff > 0,
-        "paired_differences": [vb - va for va, vb in zip(a["values"], b["values"])],
-        "outcome": outcome(diff, spread)})
-  return out
-
-
-def outcome(diff: float, spread: float) -> str:
-  if abs(diff) > spread:
-    return "agrees with the paper" if diff > 0 else "contradicts the paper"
-  return ("paper's direction, within the spread (not resolved)" if diff > 0 else
-          "opposite direction, within the spread (not resolved)")
-
-
 def verdict(arms: dict, comparisons: list[dict], paper: dict, size: dict) -> str:
-  """Which of the paper's claims the measured means confirm, contradict or leave unresolved
-  (`RULE`), and how far this scale is from the paper's."""
-  groups = {"agree": [], "contradict": [], "open": []}
-  parts = []
+  """Which of the paper's claims the measured means confirm, contradict or cannot resolve
+  (`study.RULE`, `study.detectable_difference`), and how far this scale is from the paper's."""
+  groups = {"agree": [], "disagree": [], "open": []}
   for c in comparisons:
-    key = {"agrees with the paper": "agree", "contradicts the paper": "contradict"}.get(
-        c["outcome"], "open")
-    groups[key].append(c["paper_says"])
-    better, worse = c["paper_says"].split(" < ")
-    parts.append(f"{worse} - {better} = {c['difference']:+.4f} bpc (spread {c['spread']:.4f}; "
-                 f"paper {c['paper_difference']:+.2f}): {c['outcome']}")
+    groups[c["outcome"] if c["outcome"] in groups else "open"].append(c["paper_says"])
   n = len(comparisons)
   if len(groups["agree"]) == n:
     head = "The small-scale result agrees with the paper on every claim"
-  elif groups["contradict"]:
-    head = (f"The small-scale result contradicts the paper on {len(groups['contradict'])} of "
-            f"{n} claims ({', '.join(groups['contradict'])})")
+  elif groups["disagree"]:
+    head = (f"The small-scale result disagrees with the paper on {len(groups['disagree'])} of "
+            f"{n} claims ({', '.join(groups['disagree'])})")
   elif groups["agree"]:
     head = (f"The small-scale result agrees with the paper on {len(groups['agree'])} of {n} "
-            f"claims ({', '.join(groups['agree'])}); the other "
-            f"{'one is' if len(groups['open']) == 1 else 'ones are'} not resolved "
-            f"({', '.join(groups['open'])}: within the spread)")
+            f"claims ({', '.join(groups['agree'])}); the seeds cannot resolve the other"
+            f"{'' if len(groups['open']) == 1 else 's'} ({', '.join(groups['open'])})")
   else:
-    head = ("No difference exceeds the spread over seeds at this scale: the result neither "
+    head = ("No difference reaches what the seeds can resolve at this scale: the result neither "
             "confirms nor contradicts the paper")
+  parts = [f"{c['paper_says']}: {c['difference']:+.4f} bpc (detectable "
+           f"{c['detectable_difference']:.4f}; paper {c['paper_difference']:+.2f}): "
+           f"{c['outcome']}" for c in comparisons]
   means = [a["mean"] for a in arms.values()]
   scale = (f"Scale: these models reach {min(means):.3f}-{max(means):.3f} dev BPC after "
            f"{size['steps'] * size['batch'] * size['seq_len'] / 1e6:.1f}M training bytes "
            f"({size['size']} size, {size['layers']} layers x {size['hidden']}), the paper's "
            f"{min(paper.values()):.2f}-{max(paper.values()):.2f} after 150K steps of phase 1, so "
            f"the sizes of the differences are not comparable, only their signs")
-  return f"{head}. " + "; ".join(parts) + f". {scale}. Rule: {RULE}."
+  return f"{head}. " + "; ".join(parts) + f". {scale}. Rule: {study_lib.RULE}."
 
 
 def summarize_study(study: dict, claims: Sequence[tuple[str, str]]) -> dict:
-  """`study` with its comparisons and verdict (re)computed from its arms' per-seed values."""
-  study["comparisons"] = compare(study["arms"], study["paper"]["values"], claims)
+  """`study` with its comparisons, detectable difference and verdict (re)computed from its arms'
+  per-seed values (lower BPC is better)."""
+  study_lib.summarize_claims(study, claims, higher_is_better=False)
   study["verdict"] = verdict(study["arms"], study["comparisons"], study["paper"]["values"],
                              study["setup"])
-  study["rule"] = RULE
+  study["rule"] = study_lib.RULE
   return study
 
 
@@ -314,8 +283,7 @@ def table(study: dict) -> str:
                  + ", ".join(f"{v:.4f}" for v in arm["values"]))
   for c in study["comparisons"]:
     lines.append(f"  paper: {c['paper_says']}: measured difference {c['difference']:+.4f} "
-                 f"(spread {c['spread']:.4f}, exceeds it: {c['exceeds_spread']}) -> "
-                 f"{c['outcome']}")
+                 f"(detectable {c['detectable_difference']:.4f}) -> {c['outcome']}")
   lines.append("verdict: " + study["verdict"])
   return "\n".join(lines)
 

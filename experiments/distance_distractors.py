@@ -53,7 +53,6 @@ Writes experiments/results/distance_distractors.json ({"study", "metric", "arms"
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -70,11 +69,14 @@ study_lib.harness.pin_platform(
 import jax
 import numpy as np
 
-from distance_task import (ARMS, FULL_BAND, FULL_IMPL, check_cell, eval_sets, evaluate,
-                           measure_cost, model_config, nearest_pair_accuracy, receptive_field,
-                           train_arm, vocab_of)
+from distance_task import (ARMS, FULL_BAND, FULL_IMPL, check_cell, distance_axes, eval_sets,
+                           evaluate, measure_cost, model_config, nearest_pair_accuracy,
+                           receptive_field, train_arm, vocab_of)
 
 STUDY = "distance_distractors"
+# Overall held-out accuracy, (better, worse): a global token or full attention reaches the
+# evidence beyond the local field (the paper's reason for global attention, §3.1).
+CLAIMS = (("global", "local"), ("full", "local"))
 
 PRESETS = {
     "cpu": dict(seq_len=128, window=8, layers=2, hidden=64, heads=4, intermediate=256,
@@ -296,14 +298,7 @@ def plot(study: dict, path: Path) -> None:
             linestyle=(0, (4, 2)), marker="x", markersize=4, linewidth=1, alpha=0.8,
             label="nearest pair, keys ignored (exact, mean over K)")
   ax.axhline(study["chance"], color="gray", linewidth=1, linestyle=":", label="chance")
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("distance from the evidence to the query (tokens)")
-  ax.set_ylabel("held-out accuracy")
-  ax.set_ylim(-0.02, 1.02)
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7, loc="lower left")
-  ax.set_title(f"key-value lookup, {setup['seq_len']}-token rows, {setup['steps']} steps",
-               fontsize=10)
+  distance_axes(ax, setup, legend_size=7)
   cost = study.get("cost") or {}
   for name, c in cost.items():
     axes[1].plot(c["lengths"], [b / 2**20 for b in c["temp_bytes"]], color=_COLORS[name],
@@ -327,6 +322,22 @@ def plot(study: dict, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def with_claims(study: dict) -> dict:
+  """`study` with "comparisons" (the overall accuracy of the arm pairs in `CLAIMS`, against the
+  detectable difference of the seeds) and "detectable_difference" derived from its per-seed
+  values, and the verdict's last line saying so. A results JSON of an older version (per-cell
+  comparisons under "comparisons") gets them moved to "cell_comparisons"."""
+  if "cell_comparisons" not in study:
+    study["cell_comparisons"] = study.pop("comparisons")
+  claims = [c for c in CLAIMS if set(c) <= set(study["arms"])]
+  if claims:
+    study_lib.summarize_claims(study, claims, higher_is_better=True)
+    head = "Overall accuracy against what the seeds can resolve (two-sample): "
+    study["verdict"] = [line for line in study["verdict"] if not line.startswith(head)] + [
+        head + study_lib.claims_sentence(study["comparisons"]) + "."]
+  return study
 
 
 def parse_args(argv):
@@ -359,20 +370,10 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
   args, p = parse_args(argv)
-  out = Path(args.out)
-  if args.replot:
-    plot(json.loads(out.read_text()), out.with_suffix(".png"))
-    return 0
-  study_lib.check_backend(args.device)
-  from tqdm import tqdm
-  start = time.perf_counter()
-  log = lambda text: tqdm.write(f"[{time.perf_counter() - start:6.0f}s] {text}", file=sys.stderr)
   # Seeds and the cost panel repeat programs (the evaluation's, the cost panel's at the training
   # shape): the persistent cache serves them.
-  study_lib.compilation_cache(STUDY)
-  study = run(args, p, log, start)
-  study_lib.write(study, out, plot)
-  log(f"wrote {out} and {out.with_suffix('.png')} ({study['seconds']:.0f} s)")
+  study = study_lib.run_or_replot(args, STUDY, lambda log, start: run(args, p, log, start),
+                                  with_claims, plot)
   print(f"accuracy (mean ± sd over seeds {args.seeds}, mean over K = {list(p['distractors'])})")
   print(f"{'d':>5} " + "".join(f"{a:>14}" for a in study["arms"]))
   for d in p["distances"]:
@@ -418,7 +419,7 @@ def run(args, p: dict, log, start: float) -> dict:
               file=sys.stderr) as pbar:
       cost = measure_cost(p, variants, pbar)
   heuristic = heuristic_summary(p, local_rf)
-  lines, comparisons = verdict(p, arms, local_rf, chance, heuristic)
+  lines, cell_comparisons = verdict(p, arms, local_rf, chance, heuristic)
   return {
       "study": STUDY,
       "metric": (f"held-out accuracy of the value predicted at the query position "
@@ -438,7 +439,7 @@ def run(args, p: dict, log, start: float) -> dict:
       "nearest_pair_heuristic": heuristic,
       "cost": cost,
       "verdict": lines,
-      "comparisons": comparisons,
+      "cell_comparisons": cell_comparisons,
       "decision_rule": ("a difference between two means counts only when it exceeds the sum of "
                         "their seed standard deviations (ddof=1) and 2 binomial standard errors "
                         "of the held-out rows behind them; 'above chance' likewise against "

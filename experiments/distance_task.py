@@ -236,19 +236,24 @@ def receptive_field(config: LongformerConfig) -> int:
   return sum(w * max(d) for w, d in zip(config.layer_windows, config.layer_dilations))
 
 
-def train_config(p: dict, arm: str, seed: int, steps: int) -> TrainConfig:
+def train_config(p: dict, arm: str, seed: int, steps: int,
+                 model: LongformerConfig | None = None) -> TrainConfig:
+  """The arm's training run (model: another model than `model_config`'s for the arm)."""
   return TrainConfig(
-      model=model_config(p, arm, p["seq_len"]), dataset="synthetic", seed=seed,
+      model=model or model_config(p, arm, p["seq_len"]), dataset="synthetic", seed=seed,
       stages=(Stage(seq_len=p["seq_len"], batch_size=p["batch"], steps=steps,
                     learning_rate=p["lr"], warmup_steps=max(steps // 10, 1),
                     end_learning_rate=0.0, decay_power=1.0),),
       weight_decay=0.01, adam_b2=0.98, adam_eps=1e-6)
 
 
-def train_arm(p: dict, arm: str, seed: int, pbar=None):
-  """One arm, one seed, with the project's Trainer; returns (model, task, [loss per step])."""
+def train_arm(p: dict, arm: str, seed: int, pbar=None, *, model: LongformerConfig | None = None,
+              params=None):
+  """One arm, one seed, with the project's Trainer; returns (model, task, [loss per step]).
+  model: the model's config (default `model_config`'s for the arm); params: its initial
+  parameters (default: drawn from the seed)."""
   task = RetrievalTask(arm, vocab_of(p), max(p["distractors"]), p["train_max_distance"])
-  cfg = train_config(p, arm, seed, p["steps"])
+  cfg = train_config(p, arm, seed, p["steps"], model)
   trainer = Trainer(cfg, task=task)
   losses = []
 
@@ -259,7 +264,7 @@ def train_arm(p: dict, arm: str, seed: int, pbar=None):
       pbar.update(1)
       pbar.set_postfix(arm=arm, seed=seed, loss=f"{np.mean(losses[-20:]):.3f}")
 
-  state, losses = trainer.fit(trainer.init_state(), on_step=report)  # raises if it diverges
+  state, losses = trainer.fit(trainer.init_state(params), on_step=report)  # raises if diverging
   return trainer.model(state.params), task, losses
 
 
@@ -348,3 +353,20 @@ def measure_cost(p: dict, variants, pbar=None) -> dict:
                                                              base["temp_bytes"])]
     out[v]["relative_to"] = variants[0]
   return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Plotting
+
+
+def distance_axes(ax, setup: dict, *, legend_size: int) -> None:
+  """The accuracy-against-distance panel's axes: log2 distances, accuracy in [0, 1], grid,
+  legend, and a title naming the rows and steps of `setup`."""
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("distance from the evidence to the query (tokens)")
+  ax.set_ylabel("held-out accuracy")
+  ax.set_ylim(-0.02, 1.02)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=legend_size, loc="lower left")
+  ax.set_title(f"key-value lookup, {setup['seq_len']}-token rows, {setup['steps']} steps",
+               fontsize=10)

@@ -194,18 +194,22 @@ PAPER = {"unit": "MLM bits per masked token", "random_before": 10.299, "copied_b
          "copied_after_2k_steps": 1.753, "copied_after_65k_steps": 1.705}
 
 
+# The paper's claim, before and after the continued training: copied beats random (lower bpc).
+CLAIMS = (("copied_before", "random_before"), ("copied_after", "random_after"))
+
+
 def verdict(study: dict) -> str:
-  """Whether copied positions beat random ones, before and after training: a difference counts
-  only when it exceeds the spread (the larger of the two arms' standard deviations over seeds)."""
-  arms, lines = study["arms"], []
-  for when in ("before", "after"):
-    copied, rand = arms[f"copied_{when}"], arms[f"random_{when}"]
-    gap, spread = rand["mean"] - copied["mean"], max(copied["std"], rand["std"])
+  """Whether copied positions beat random ones, before and after training (`study.RULE`: agree
+  or disagree only when the difference reaches the detectable difference of the seeds).
+  Recomputes `study`'s comparisons and detectable difference from its per-seed values."""
+  study_lib.summarize_claims(study, CLAIMS, higher_is_better=False)
+  lines = []
+  for c, when in zip(study["comparisons"], ("before", "after")):
     paired = study["paired_differences"][when]["values"]
-    counts = "exceeds" if abs(gap) > spread else "does not exceed"
-    lines.append(f"{when} training: random - copied = {gap:+.3f} bpc, which {counts} the spread "
-                 f"({spread:.3f}); per seed {', '.join(f'{d:+.3f}' for d in paired)}")
-  before = arms["random_before"]["mean"] - arms["copied_before"]["mean"]
+    lines.append(f"{when} training: random - copied = {c['difference']:+.3f} bpc, detectable "
+                 f"difference {c['detectable_difference']:.3f}: {c['outcome']}; per seed "
+                 f"{', '.join(f'{d:+.3f}' for d in paired)}")
+  before = study["comparisons"][0]["difference"]
   agree = ("the same direction as the paper (copied better), far smaller (paper: 10.299 vs "
            "1.957 bits/token, a factor of 5)" if before > 0 else
            "NOT the paper's direction (copied should be better)")

@@ -6,7 +6,7 @@ positions, no global projections), the way one attention module serves global an
 layers in flax's gemma. LED's encoder reuses it as the encoder does.
 
 Projections: `query, key, value` serve the band; `query_global, key_global, value_global` (when
-`global_projections`) serve global tokens (paper §3.1, "Linear Projections for Global
+`global_projections="separate"`) serve global tokens (paper §3.1, "Linear Projections for Global
 Attention"); `output` maps the heads back to the hidden width. Semantics: docs/design.md §1.
 """
 
@@ -22,6 +22,8 @@ from longformer_jax import ops
 from longformer_jax.layers import Initializer, dense, rotary
 
 _ATTENTIONS = ("band", "full")
+# How global attention is projected: its own q/k/v (the paper's), the band's, or not at all.
+GLOBAL_PROJECTIONS = ("separate", "shared", "none")
 
 
 class LongformerSelfAttention(nnx.Module):
@@ -33,8 +35,9 @@ class LongformerSelfAttention(nnx.Module):
     dilation: an int, or one int per head.
     causal: a causal band (then no global tokens).
     impl: the op's implementation ("auto", "reference", "chunked", "pallas").
-    global_projections: create `query_global, key_global, value_global`; without them the module
-      takes no global mask.
+    global_projections: "separate" creates `query_global, key_global, value_global` for global
+      attention (the paper's §3.1); "shared" computes global attention with the band's
+      `query, key, value` (the ablation the paper argues against); "none" takes no global mask.
     rope_base: apply rotary positions with this base to queries and keys (None: none).
     attention: "band", or "full" (dense attention through `jax.nn.dot_product_attention`, causal
       when `causal`: a baseline that ignores window and dilation).
@@ -57,7 +60,7 @@ class LongformerSelfAttention(nnx.Module):
 
   def __init__(self, hidden_size: int, num_heads: int, *, window: int,
                dilation: int | Sequence[int] = 1, causal: bool = False, impl: str = "auto",
-               global_projections: bool = True, rope_base: float | None = None,
+               global_projections: str = "separate", rope_base: float | None = None,
                attention: str = "band", kernel_init: Initializer = nnx.initializers.normal(0.02),
                output_init: Initializer | None = None, dtype=None, param_dtype=jnp.float32,
                rngs: nnx.Rngs, mesh: jax.sharding.Mesh | None = None,
@@ -66,6 +69,9 @@ class LongformerSelfAttention(nnx.Module):
       raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
     if attention not in _ATTENTIONS:
       raise ValueError(f"attention must be one of {_ATTENTIONS}, got {attention!r}")
+    if global_projections not in GLOBAL_PROJECTIONS:
+      raise ValueError(f"global_projections must be one of {GLOBAL_PROJECTIONS}, got "
+                       f"{global_projections!r}")
     head_dim = hidden_size // num_heads
     self.window = window
     dilation = (dilation,) * num_heads if isinstance(dilation, int) else tuple(dilation)
@@ -85,11 +91,23 @@ class LongformerSelfAttention(nnx.Module):
     in_axes = ("embed", "heads", "kv")
     qkv = lambda: dense(hidden_size, (num_heads, head_dim), in_axes, init=kernel_init, **init)
     self.query, self.key, self.value = qkv(), qkv(), qkv()
+    self.global_projections = global_projections
     no_globals = (None, None, None)
     self.query_global, self.key_global, self.value_global = (
-        (qkv(), qkv(), qkv()) if global_projections else no_globals)
+        (qkv(), qkv(), qkv()) if global_projections == "separate" else no_globals)
     self.output = dense((num_heads, head_dim), hidden_size, ("heads", "kv", "embed"),
                         init=kernel_init if output_init is None else output_init, **init)
+
+  def copy_local_to_global(self) -> None:
+    """Sets the global projections to copies of the band's (the paper's initialisation of the
+    global projections, §3.1; `convert` does the same to HF weights). Raises ValueError without
+    separate global projections."""
+    if self.global_projections != "separate":
+      raise ValueError(f"nothing to copy to: global_projections={self.global_projections!r}")
+    for local, glob in ((self.query, self.query_global), (self.key, self.key_global),
+                        (self.value, self.value_global)):
+      glob.kernel[...] = jnp.array(local.kernel[...])
+      glob.bias[...] = jnp.array(local.bias[...])
 
   def _project(self, q_proj, k_proj, v_proj, hidden_BxNxE):
     q_BxNxHxD, k_BxNxHxD = q_proj(hidden_BxNxE), k_proj(hidden_BxNxE)
@@ -112,11 +130,12 @@ class LongformerSelfAttention(nnx.Module):
                                                     hidden_BxNxE)
     global_qkv = None
     if global_mask_BxN is not None:
-      if self.query_global is None:
+      if self.global_projections == "none":
         raise ValueError("a global_mask was given to an attention built without global "
-                         "projections (global_projections=False)")
-      global_qkv = self._project(self.query_global, self.key_global, self.value_global,
-                                 hidden_BxNxE)
+                         "projections (global_projections='none')")
+      global_qkv = ((q_BxNxHxD, k_BxNxHxD, v_BxNxHxD) if self.global_projections == "shared"
+                    else self._project(self.query_global, self.key_global, self.value_global,
+                                       hidden_BxNxE))
     probs_BxHxNxN = None
     if self.attention == "full":
       if global_mask_BxN is not None or output_attentions:

@@ -61,7 +61,7 @@ class CausalLMLayer(nnx.Module):
     self.attention = LongformerSelfAttention(
         cfg.hidden_size, cfg.num_attention_heads, window=cfg.layer_windows[layer],
         dilation=cfg.layer_dilations[layer], causal=True, impl=cfg.attention_impl,
-        global_projections=False, rope_base=cfg.rope_base, attention=cfg.attention,
+        global_projections="none", rope_base=cfg.rope_base, attention=cfg.attention,
         kernel_init=_fan_in_init(), output_init=out_init, mesh=mesh, seq_axis=seq_axis,
         **dense_args)
     self.ln_mlp = layer_norm(cfg.hidden_size, cfg.layer_norm_eps, **norm)

@@ -18,6 +18,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from longformer_jax import ops
+from longformer_jax.attention import GLOBAL_PROJECTIONS
 from longformer_jax.layers import activation
 
 _IntOrTuple = int | tuple
@@ -153,11 +154,17 @@ class LongformerConfig(TransformerConfig):
   # Not in HF: a causal band (no global tokens then).
   causal: bool = False
   num_labels: int = 2  # classes of the classification heads (HF derives it from id2label)
+  # Not in HF: "separate" (HF's and the paper's §3.1: global attention has its own q/k/v),
+  # "shared" (global attention through the band's q/k/v: an ablation) or "none".
+  global_projections: str = "separate"
 
   def __post_init__(self):
     super().__post_init__()
     for name in ("max_position_embeddings", "type_vocab_size", "num_labels"):
       _check_positive_int(name, getattr(self, name))
+    if self.global_projections not in GLOBAL_PROJECTIONS:
+      raise ValueError(f"global_projections must be one of {GLOBAL_PROJECTIONS}, got "
+                       f"{self.global_projections!r}")
     if not 0 <= self.pad_token_id < self.vocab_size:
       raise ValueError(f"pad_token_id={self.pad_token_id} is outside the vocabulary "
                        f"(vocab_size={self.vocab_size})")

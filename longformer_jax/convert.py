@@ -380,6 +380,9 @@ def config_to_hf_dict(config: LongformerConfig | LEDConfig,
   else:
     if config.causal:
       raise ValueError("HF Longformer has no causal mode; this config has causal=True")
+    if config.global_projections != "separate":
+      raise ValueError(f"HF Longformer always has separate global projections; this config has "
+                       f"global_projections={config.global_projections!r}")
     if any(d != 1 for heads in config.layer_dilations for d in heads):
       raise ValueError(f"HF Longformer has no dilation; attention_dilation="
                        f"{config.attention_dilation!r}")

@@ -58,11 +58,13 @@ class LongformerEmbeddings(nnx.Module):
 class LongformerLayer(nnx.Module):
   """Post-LayerNorm transformer layer (as RoBERTa): attention, add & norm, MLP, add & norm.
 
-  mesh, seq_axis: for the attention op (see `LongformerSelfAttention`).
+  mesh, seq_axis: for the attention op; global_projections: how global attention is projected
+  (see `LongformerSelfAttention`).
   """
 
   def __init__(self, hidden_size: int, num_heads: int, intermediate_size: int, *, window: int,
                dilation: int | Sequence[int] = 1, causal: bool = False, impl: str = "auto",
+               global_projections: str = "separate",
                hidden_act: str = "gelu", layer_norm_eps: float = 1e-5,
                dropout_rate: float = 0.1, initializer_range: float = 0.02, dtype=None,
                param_dtype=jnp.float32, rngs: nnx.Rngs, mesh: jax.sharding.Mesh | None = None,
@@ -73,8 +75,8 @@ class LongformerLayer(nnx.Module):
     norm = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.attention = LongformerSelfAttention(
         hidden_size, num_heads, window=window, dilation=dilation, causal=causal, impl=impl,
-        kernel_init=kernel_init, dtype=dtype, param_dtype=param_dtype, rngs=rngs, mesh=mesh,
-        seq_axis=seq_axis)
+        global_projections=global_projections, kernel_init=kernel_init, dtype=dtype,
+        param_dtype=param_dtype, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
     self.attention_norm = layer_norm(hidden_size, layer_norm_eps, **norm)
     self.intermediate = dense(hidden_size, intermediate_size, ("embed", "mlp"), **init)
     self.output = dense(intermediate_size, hidden_size, ("mlp", "embed"), **init)

@@ -125,7 +125,8 @@ class LongformerModel(HFCheckpointMixin, nnx.Module):
     self.layers = nnx.List([
         LongformerLayer(
             c.hidden_size, c.num_attention_heads, c.intermediate_size, window=window,
-            dilation=dilation, causal=c.causal, impl=c.attention_impl, hidden_act=c.hidden_act,
+            dilation=dilation, causal=c.causal, impl=c.attention_impl,
+            global_projections=c.global_projections, hidden_act=c.hidden_act,
             layer_norm_eps=c.layer_norm_eps, dropout_rate=c.hidden_dropout_prob,
             initializer_range=c.initializer_range, **dtypes, rngs=rngs, mesh=mesh,
             seq_axis=seq_axis)

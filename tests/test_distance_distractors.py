@@ -52,7 +52,7 @@ def test_tiny_run_schema_and_png(tiny):
   heuristic = study["nearest_pair_heuristic"]
   assert set(heuristic["cells"]) == set(study["arms"]["local"]["cells"])
   assert heuristic["cells"]["d1_k3"] == 1.0  # the evidence is always the nearest pair at d=1
-  row = study["comparisons"]["local"]["d4_k3"]
+  row = study["cell_comparisons"]["local"]["d4_k3"]
   assert {"above_chance", "below_full", "minus_full", "differs_from_nearest_pair"} <= set(row)
   # The cost panel: every arm at the preset's lengths, with bytes and times.
   assert set(study["cost"]) == {"local", "global", "full"}
@@ -60,6 +60,10 @@ def test_tiny_run_schema_and_png(tiny):
     assert c["lengths"] == list(p["cost_lengths"])
     assert all(b > 0 for b in c["temp_bytes"]) and all(s > 0 for s in c["seconds"])
   assert study["cost"]["local"]["time_relative"] == [1.0]
+  assert [c["paper_says"] for c in study["comparisons"]] == [
+      "global better than local", "full better than local"]
+  assert set(study["detectable_difference"]["comparisons"]) == {
+      c["paper_says"] for c in study["comparisons"]}
   png = out.with_suffix(".png")
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -214,6 +214,64 @@ def test_default_global_masks():
                                 [[0, 0, 0, 0, 0, 1, 1, 1], [0] * 8])
 
 
+def test_shared_global_projections_are_separate_ones_holding_copies_of_the_band_projections():
+  """global_projections="shared" computes global attention with the band's q/k/v: the same
+  logits as "separate" projections set to copies of the band's, and gradients that are the sum
+  of the band's and the global projections' gradients there (one weight used twice). The
+  factor is seen: with copies made to differ, "separate" gives other logits."""
+  ids, mask, global_mask = inputs()
+  separate = eval_model(modeling.LongformerForMaskedLM)
+  for layer in separate.longformer.layers:
+    layer.attention.copy_local_to_global()
+  shared = eval_model(modeling.LongformerForMaskedLM, global_projections="shared")
+  assert shared.longformer.layers[0].attention.query_global is None
+  band_only = nnx.filter_state(nnx.state(separate, nnx.Param),
+                               lambda path, _: not str(path[-2]).endswith("_global"))
+  # Every parameter of the shared model, and nothing else, is set from the separate one.
+  assert (jax.tree.structure(nnx.to_pure_dict(band_only))
+          == jax.tree.structure(nnx.to_pure_dict(nnx.state(shared, nnx.Param))))
+  nnx.update(shared, band_only)
+  assert int(np.sum(global_mask)) > 0
+  np.testing.assert_allclose(shared(ids, mask, global_mask).logits,
+                             separate(ids, mask, global_mask).logits, atol=1e-5, rtol=0)
+
+  def loss(model):
+    return jnp.sum(jnp.sin(model(ids, mask, global_mask).logits))
+
+  g_sep = nnx.to_pure_dict(nnx.grad(loss)(separate))["longformer"]["layers"]
+  g_sh = nnx.to_pure_dict(nnx.grad(loss)(shared))["longformer"]["layers"]
+  for i in g_sh:
+    for proj in ("query", "key", "value"):
+      for leaf in ("kernel", "bias"):
+        np.testing.assert_allclose(
+            g_sh[i]["attention"][proj][leaf],
+            g_sep[i]["attention"][proj][leaf] + g_sep[i]["attention"][f"{proj}_global"][leaf],
+            atol=1e-5, rtol=1e-5)
+  for layer in separate.longformer.layers:  # global rows' values no longer the band's
+    layer.attention.value_global.kernel[...] = 50.0 * layer.attention.value_global.kernel[...]
+  assert not np.allclose(shared(ids, mask, global_mask).logits,
+                         separate(ids, mask, global_mask).logits, atol=1e-3)
+  # Without global tokens the three settings compute the same function of the band weights.
+  np.testing.assert_allclose(shared(ids, mask).logits, separate(ids, mask).logits, atol=1e-5,
+                             rtol=0)
+
+
+def test_global_projections_setting_is_checked():
+  with pytest.raises(ValueError, match="global_projections must be one of .* got 'local'"):
+    small_config(global_projections="local")
+  ids, mask, global_mask = inputs()
+  model = eval_model(global_projections="none")
+  model(ids, mask)  # no global tokens: fine
+  with pytest.raises(ValueError, match="global_projections='none'"):
+    model(ids, mask, global_mask)
+  with pytest.raises(ValueError, match="nothing to copy to: global_projections='shared'"):
+    eval_model(global_projections="shared").layers[0].attention.copy_local_to_global()
+  from longformer_jax import convert
+  with pytest.raises(ValueError, match="separate global projections; this config has "
+                                       "global_projections='shared'"):
+    convert.config_to_hf_dict(small_config(global_projections="shared"))
+
+
 # ---------------------------------------------------------------------------------------------
 # Transformations.
 

@@ -47,7 +47,10 @@ def test_toy_study_writes_every_arm_seed_and_the_verdict(tmp_path):
     assert study["paired_differences"][when]["values"] == pytest.approx(
         [r - c for r, c in zip(study["arms"][f"random_{when}"]["values"],
                                study["arms"][f"copied_{when}"]["values"])])
-  assert "spread" in study["verdict"] and study["paper"]["random_before"] == 10.299
+  assert "detectable difference" in study["verdict"] and study["paper"]["random_before"] == 10.299
+  assert [c["paper_says"] for c in study["comparisons"]] == [
+      "copied_before better than random_before", "copied_after better than random_after"]
+  assert study["detectable_difference"]["seeds_per_arm"] == 2
   assert out.with_suffix(".png").stat().st_size > 10_000
 
 

@@ -1,7 +1,8 @@
 """experiments/window_schedule.py and experiments/dilation.py at their --tiny size (a few steps,
 2 seeds, in this process): the results JSON's schema and arms, the equal attention cost of the
 arms (recomputed here from the windows and dilations the JSON records), the PNG; and the
-ValueErrors of bad command lines."""
+ValueErrors of bad command lines. The harness's detectable difference and verdict logic
+(experiments/study.py) on toy values, and every committed results JSON carrying it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
+from testing import assert_study_claims
 import dilation
+import study as study_lib
 import window_schedule
 
 pytestmark = pytest.mark.unit
@@ -48,8 +51,8 @@ def check_schema(study: dict, name: str, arms: set[str]) -> None:
     assert all(np.isfinite(arm["values"]))
     assert arm["mean"] == pytest.approx(np.mean(arm["values"]))
     assert arm["std"] == pytest.approx(np.std(arm["values"], ddof=1))
-  for c in study["comparisons"]:
-    assert c["exceeds_spread"] == (abs(c["difference"]) > c["spread"])
+  assert_study_claims(study, study_lib, higher_is_better=False)  # lower BPC is better
+  assert study["detectable_difference"]["seeds_per_arm"] == len(SEEDS)
   costs = {name: cost(arm) for name, arm in study["arms"].items()}
   assert len(set(costs.values())) == 1, f"attention costs differ: {costs}"
   assert all(arm["attention_cost"] == costs[name] for name, arm in study["arms"].items())
@@ -94,3 +97,82 @@ def test_bad_arguments(module, argv, match, tmp_path):
   with pytest.raises(ValueError, match=match):
     module.main([*argv, "--out", str(tmp_path / "x.json")])
   assert not (tmp_path / "x.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# The detectable difference and the verdict logic (experiments/study.py)
+
+
+def test_detectable_difference_against_a_hand_computed_value():
+  # 3 seeds per arm, sd 1 in both: df 4, t(0.975, 4) = 2.7764, t(0.8, 4) = 0.9410 (tables),
+  # (2.7764 + 0.9410) x 1 x sqrt(2/3) = 3.0352.
+  assert study_lib.detectable_difference([1.0, 2.0, 3.0], [5.0, 6.0, 7.0]) == pytest.approx(
+      3.0352, abs=1e-4)
+  # Unequal spreads and counts: 3 and 4 seeds with sums of squared deviations 2 and 8, so
+  # s_pooled^2 = (2 + 8) / 5 = 2, df 5; t(0.975, 5) = 2.5706, t(0.8, 5) = 0.9195:
+  # 3.4901 x sqrt(2) x sqrt(1/3 + 1/4) = 3.7698.
+  assert study_lib.detectable_difference([0.0, 1.0, 2.0], [0.0, 2.0, 4.0, 2.0]) == pytest.approx(
+      3.7698, abs=1e-3)
+  # It scales with the spread and falls with more seeds.
+  assert study_lib.detectable_difference([0, 2, 4], [0, 2, 4]) == pytest.approx(
+      2 * study_lib.detectable_difference([0, 1, 2], [0, 1, 2]))
+  assert (study_lib.detectable_difference([0, 1, 2, 0, 1, 2], [0, 1, 2, 0, 1, 2])
+          < study_lib.detectable_difference([0, 1, 2], [0, 1, 2]))
+
+
+@pytest.mark.parametrize("values, alpha, match", [
+    ([1.0], 0.05, "at least 2 values per arm"),
+    ([1.0, 2.0], 1.5, "alpha and power must be in"),
+])
+def test_detectable_difference_refuses_bad_input(values, alpha, match):
+  with pytest.raises(ValueError, match=match):
+    study_lib.detectable_difference(values, [1.0, 2.0, 3.0], alpha=alpha)
+
+
+def toy_arms(better: list[float], worse: list[float]) -> dict:
+  return {"a": study_lib.summarize([0, 1, 2], better), "b": study_lib.summarize([0, 1, 2], worse)}
+
+
+@pytest.mark.parametrize("higher_is_better", [True, False])
+def test_verdict_far_above_the_spread_agrees_or_disagrees(higher_is_better):
+  sign = 1 if higher_is_better else -1
+  high, low = [10.0, 10.1, 9.9], [5.0, 5.1, 4.9]  # 5 apart, detectable ~0.3
+  (c,) = study_lib.compare(toy_arms(high if sign > 0 else low, low if sign > 0 else high),
+                           [("a", "b")], higher_is_better=higher_is_better)
+  assert c["difference"] == pytest.approx(5.0) and c["outcome"] == "agree"
+  assert c["detectable_difference"] == pytest.approx(0.3035, abs=1e-3)
+  (c,) = study_lib.compare(toy_arms(low if sign > 0 else high, high if sign > 0 else low),
+                           [("a", "b")], higher_is_better=higher_is_better)
+  assert c["difference"] == pytest.approx(-5.0) and c["outcome"] == "disagree"
+
+
+def test_verdict_inside_the_spread_cannot_resolve():
+  # Means 0.2 apart with a seed sd of 1: the seeds resolve only ~3.
+  (c,) = study_lib.compare(toy_arms([1.2, 0.2, 2.2], [1.0, 0.0, 2.0]), [("a", "b")],
+                           higher_is_better=True)
+  assert c["difference"] == pytest.approx(0.2)
+  assert c["outcome"] == "cannot resolve (detectable difference 3.04)"
+  assert study_lib.outcome(0.0, 0.0).startswith("cannot resolve")  # no spread, no difference
+  assert study_lib.outcome(0.1, 0.0) == "agree"  # no spread at all: any difference resolves
+
+
+def test_power_summary_pools_the_seed_sd_over_the_arms():
+  arms = toy_arms([1.0, 2.0, 3.0], [1.0, 3.0, 5.0])  # sd 1 and 2: pooled sqrt(2.5)
+  block = study_lib.summarize_claims({"arms": arms, "paper": {}}, [("a", "b")],
+                                     higher_is_better=True)["detectable_difference"]
+  assert block["pooled_seed_sd"] == pytest.approx(np.sqrt(2.5))
+  assert block["value"] == pytest.approx(3.0352 * np.sqrt(2.5), abs=1e-3)
+  assert block["comparisons"] == {"a better than b": pytest.approx(block["value"])}
+  assert (block["alpha"], block["power"], block["seeds_per_arm"]) == (0.05, 0.8, 3)
+
+
+def test_every_committed_study_has_its_detectable_difference():
+  """The results JSON of every study states what its seeds can resolve, recomputable from its
+  per-seed values."""
+  paths = sorted((REPO / "experiments" / "results").glob("*.json"))
+  assert paths
+  for path in paths:
+    study = json.loads(path.read_text())
+    block = study["detectable_difference"]
+    assert block["alpha"] == study_lib.ALPHA and block["power"] == study_lib.POWER, path.name
+    assert_study_claims(study, study_lib, higher_is_better=None)

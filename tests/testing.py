@@ -176,6 +176,23 @@ ENCODER_SHAPE = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3,
 ENCODER_WINDOWS = (2, 4, 3)
 
 
+def assert_study_claims(study: dict, study_lib, *, higher_is_better: bool | None) -> None:
+  """Every comparison of a study's results JSON recomputed from its arms' per-seed values with
+  experiments/study.py (`study_lib`): the difference of the means in the metric's better
+  direction (not checked when higher_is_better is None), the detectable difference, the
+  outcome."""
+  assert study["comparisons"]
+  for c in study["comparisons"]:
+    better, worse = c["paper_says"].split(" better than ")
+    a, b = study["arms"][better], study["arms"][worse]
+    if higher_is_better is not None:
+      sign = 1.0 if higher_is_better else -1.0
+      assert c["difference"] == pytest.approx(sign * (a["mean"] - b["mean"]))
+    assert c["detectable_difference"] == pytest.approx(
+        study_lib.detectable_difference(a["values"], b["values"])), c["paper_says"]
+    assert c["outcome"] == study_lib.outcome(c["difference"], c["detectable_difference"])
+
+
 def tiny_encoder_config(**changes):
   """A `LongformerConfig` of ENCODER_SHAPE with windows ENCODER_WINDOWS, plus `changes`."""
   from longformer_jax.config import LongformerConfig
