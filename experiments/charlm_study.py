@@ -17,7 +17,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -185,12 +185,15 @@ def verdict(arms: dict, comparisons: list[dict], paper: dict, size: dict) -> str
   return f"{head}. " + "; ".join(parts) + f". {scale}. Rule: {study_lib.RULE}."
 
 
-def summarize_study(study: dict, claims: Sequence[tuple[str, str]]) -> dict:
+def summarize_study(study: dict, claims: Sequence[tuple[str, str]],
+                    extra_verdict: Callable[[dict], str] | None = None) -> dict:
   """`study` with its comparisons, detectable difference and verdict (re)computed from its arms'
-  per-seed values (lower BPC is better)."""
+  per-seed values (lower BPC is better). extra_verdict(study): a study's own last sentence."""
   study_lib.summarize_claims(study, claims, higher_is_better=False)
   study["verdict"] = verdict(study["arms"], study["comparisons"], study["paper"]["values"],
                              study["setup"])
+  if extra_verdict is not None:
+    study["verdict"] += " " + extra_verdict(study)
   study["rule"] = study_lib.RULE
   return study
 
@@ -200,7 +203,8 @@ def summarize_study(study: dict, claims: Sequence[tuple[str, str]]) -> dict:
 
 
 def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict, paper: dict,
-              paper_source: str, claims: Sequence[tuple[str, str]], setup: dict) -> dict:
+              paper_source: str, claims: Sequence[tuple[str, str]], setup: dict,
+              extra_verdict: Callable[[dict], str] | None = None) -> dict:
   """Trains every arm (name -> CharLMConfig) for every seed, writes <out>.json and <out>.png,
   prints the table and returns the study dict. paper: the paper's dev BPC of each arm;
   claims: (better, worse) pairs of arms, as the paper found them."""
@@ -254,7 +258,7 @@ def run_study(study: str, metric_note: str, args: argparse.Namespace, arms: dict
                                for name, rs in results.items()}},
       "seconds": round(time.perf_counter() - start, 1),
   }
-  write(summarize_study(out, claims), Path(args.out))
+  write(summarize_study(out, claims, extra_verdict), Path(args.out))
   return out
 
 
@@ -333,9 +337,10 @@ def plot(study: dict, path: Path) -> None:
   study_lib.harness.write_png(path, fig, dpi=110)
 
 
-def replot(args: argparse.Namespace, claims: Sequence[tuple[str, str]]) -> int:
+def replot(args: argparse.Namespace, claims: Sequence[tuple[str, str]],
+           extra_verdict: Callable[[dict], str] | None = None) -> int:
   """--replot: the comparisons, verdict, table and PNG anew from the per-seed values stored in
   the JSON at --out (no training)."""
   path = Path(args.out)
-  write(summarize_study(json.loads(path.read_text()), claims), path)
+  write(summarize_study(json.loads(path.read_text()), claims, extra_verdict), path)
   return 0

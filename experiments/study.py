@@ -148,6 +148,16 @@ def detectable_difference(values_a: Sequence[float], values_b: Sequence[float], 
   return float(_sd_factor(a.size, b.size, alpha, power) * pooled)
 
 
+def detectable_difference_of_sd(sd: float, n_a: int, n_b: int, *, alpha: float = ALPHA,
+                                power: float = POWER) -> float:
+  """`detectable_difference` for arms of n_a and n_b seeds whose pooled seed sd is `sd`: what a
+  study states before it runs, from the sd of an earlier run."""
+  if n_a < 2 or n_b < 2:
+    raise ValueError(f"a detectable difference needs at least 2 seeds per arm, got {n_a} and "
+                     f"{n_b}")
+  return float(_sd_factor(n_a, n_b, alpha, power) * sd)
+
+
 def _sd_factor(n_a: int, n_b: int, alpha: float, power: float) -> float:
   """The detectable difference in pooled seed sds: (t(1 - alpha/2, df) + t(power, df)) x
   sqrt(1/n_a + 1/n_b)."""

@@ -83,6 +83,37 @@ def test_dilation(tmp_path):
   assert dilated["receptive_field"] > plain["receptive_field"]
 
 
+def test_dilation_states_its_power_before_it_runs():
+  # The planned detectable difference is the harness's formula at the earlier run's sd: with
+  # 6 seeds per arm and sd 0.012, (2.2281 + 0.8791) x sqrt(2/6) x 0.012 = 0.02153 (t tables).
+  assert len(dilation.SEEDS) == 6
+  planned = study_lib.detectable_difference_of_sd(
+      dilation.PLANNED["pooled_seed_sd_of_earlier_run"], 6, 6)
+  assert planned == pytest.approx(0.02153, abs=2e-5)
+  assert planned < dilation.paper_sized_effect(2.40)  # a 1% effect at 2.40 BPC is resolvable
+  # The same formula as detectable_difference on values whose pooled sd is 1.
+  assert study_lib.detectable_difference_of_sd(1.0, 3, 3) == pytest.approx(
+      study_lib.detectable_difference([1.0, 2.0, 3.0], [5.0, 6.0, 7.0]))
+  with pytest.raises(ValueError, match="at least 2 seeds per arm"):
+    study_lib.detectable_difference_of_sd(1.0, 1, 3)
+
+
+@pytest.mark.parametrize("difference, detectable, says", [
+    (0.030, 0.021, "the paper's direction, confirmed"),
+    (-0.030, 0.021, "the opposite of the paper"),
+    (0.005, 0.021, "does not give a gain of the paper's size"),
+    (0.005, 0.037, "cannot test the paper's claim"),
+])
+def test_dilation_power_verdict(difference, detectable, says):
+  """At a mean of 2.40 BPC an effect of the paper's size is 0.024: a detectable difference below
+  it lets the outcome speak; one above it cannot test the claim, whatever was measured."""
+  outcome = study_lib.outcome(difference, detectable)
+  toy = {"arms": {"no_dilation": {"mean": 2.40}, "dilation_2_heads": {"mean": 2.40}},
+         "comparisons": [{"difference": difference, "detectable_difference": detectable,
+                          "outcome": outcome}]}
+  assert says in dilation.power_verdict(toy)
+
+
 @pytest.mark.parametrize("module", [window_schedule, dilation])
 @pytest.mark.parametrize("argv, match", [
     (["--seeds", "0"], "at least 2 seeds"),
