@@ -2,8 +2,8 @@
 
 The paper gives global attention its own linear projections Q_g, K_g, V_g, initialised as copies
 of the local Q, K, V, and calls them "critical for best performance on downstream tasks" (§3.1;
-its WikiHop ablation, §6: dev accuracy 73.8 with them, 72.2 without, 65.5 without global
-attention too). Here a long-range task where the
+its WikiHop ablation, §6: dev accuracy 73.8 with them, 72.2 without, 65.5 without them and
+without global attention). Here a long-range task where the
 evidence lies beyond the reach of the local windows, so that only global attention can carry it
 to the answer: the key-value lookup of experiments/distance_task.py (a query token, the last of
 the row, asks for the value of its key; the evidence pair sits `d` tokens before it among `K`
