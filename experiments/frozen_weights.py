@@ -70,13 +70,15 @@ def verdict(study: dict) -> str:
   drift = {arm: np.mean(np.subtract(arms[f"{arm}_short"]["values"],
                                     arms["short_model"]["values"]))
            for arm in ("copied", *ARMS)}
-  return (f"Long inputs: positions_only - all_weights = {long['difference']:+.3f} bpc, detectable "
-          f"difference {long['detectable_difference']:.3f}: {long['outcome']} (paper: +0.145 "
-          f"bits/token, all weights better). Short inputs: all_weights - positions_only = "
-          f"{short['difference']:+.3f} bpc, detectable difference "
-          f"{short['detectable_difference']:.3f}: {short['outcome']} (the paper's reason for "
-          f"freezing, not a number it reports). Short-input bpc minus the short model's, mean over "
-          f"seeds: " + ", ".join(f"{arm} {d:+.3f}" for arm, d in drift.items()) + ".")
+  per_seed = lambda c: ", ".join(f"{d:+.3f}" for d in c["paired_differences"])
+  return (f"Long inputs: positions_only - all_weights = {long['difference']:+.3f} bpc (per seed "
+          f"{per_seed(long)}), detectable difference {long['detectable_difference']:.3f}: "
+          f"{long['outcome']} (paper: +0.145 bits/token, all weights better). Short inputs: "
+          f"all_weights - positions_only = {short['difference']:+.3f} bpc (per seed "
+          f"{per_seed(short)}), detectable difference {short['detectable_difference']:.3f}: "
+          f"{short['outcome']} (the paper's reason for freezing, not a number it reports). "
+          f"Short-input bpc minus the short model's, mean over seeds: "
+          + ", ".join(f"{arm} {d:+.3f}" for arm, d in drift.items()) + ".")
 
 
 def plot(study: dict, path: Path) -> None:
