@@ -610,6 +610,21 @@ def test_resume_rules():
     check_resume(stored, stored, step=15, allow=["model.hidden_size"])
 
 
+def test_which_parameters_train_is_part_of_the_run():
+  stored = _record(trainable="position_embeddings")
+  assert check_resume(stored, _record(trainable="position_embeddings"), step=5) == []
+  for other in (None, "embeddings"):
+    with pytest.raises(RunMismatchError,
+                       match=f"trainable: 'position_embeddings' -> {other!r}"):
+      check_resume(stored, _record(trainable=other), step=5)
+  # A record from before the field existed ran with every parameter trained.
+  old = _record()
+  del old["trainable"]
+  assert check_resume(old, _record(), step=5) == []
+  with pytest.raises(RunMismatchError, match="trainable: None -> 'embeddings'"):
+    check_resume(old, _record(trainable="embeddings"), step=5)
+
+
 def test_a_stage_whose_length_changes_keeps_the_rates_of_the_steps_taken():
   from longformer_jax.training import Stage, learning_rate_schedule
   from longformer_jax.training.schedule import continued_stages, stage_schedule

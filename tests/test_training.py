@@ -25,7 +25,7 @@ from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.layers import LOGICAL_AXES
 from longformer_jax.modeling import LongformerForMaskedLM
 from longformer_jax.tasks import CharLMTask
-from longformer_jax.training import (LOGICAL_RULES, NonFiniteLossError, Stage,
+from longformer_jax.training import (LOGICAL_RULES, NonFiniteLossError, RunMismatchError, Stage,
                                      Task, TrainConfig, Trainer, batch_sharding, make_mesh,
                                      paper_stages, read_run_config, train, write_run_config)
 from longformer_jax.training.sharding import seq_axis
@@ -34,6 +34,11 @@ pytestmark = pytest.mark.integration
 
 MODEL = CharLMConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=2,
                      intermediate_size=64, attention_window=(4, 8))
+# A masked LM for `_MaskedLMTask`, and the path of its position table.
+_SMALL_MLM = LongformerConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=32,
+                              max_position_embeddings=40, attention_window=4)
+_POSITIONS = "longformer/embeddings/position_embeddings/embedding"
 
 
 def _config(**kw) -> TrainConfig:
@@ -440,12 +445,10 @@ class _MaskedBatches:
     self.step = int(state["step"])
 
 
-def test_another_task_reuses_the_loop_and_resumes_exactly(tmp_path):
-  model = LongformerConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2,
-                           num_attention_heads=2, intermediate_size=32,
-                           max_position_embeddings=40, attention_window=4)
-  cfg = _config(model=model, microbatch_size=2, checkpoint_every=1000,
-                stages=(Stage(seq_len=16, batch_size=4, steps=4, learning_rate=1e-2),))
+def _masked_lm_interrupted_and_resumed(cfg, tmp_path):
+  """`cfg` on `_MaskedLMTask` run through in tmp_path/a, and in tmp_path/b stopped by SIGTERM
+  after step 2 and resumed: (the uninterrupted losses, the interrupted run's and the resumed
+  run's losses by step, the interrupted run's summary)."""
   full, losses_full = _run(cfg, tmp_path / "a", None, task=_MaskedLMTask())
   assert full["status"] == "done" and sorted(losses_full) == [1, 2, 3, 4]
 
@@ -456,11 +459,18 @@ def test_another_task_reuses_the_loop_and_resumes_exactly(tmp_path):
   losses = {}
   summary = train(cfg, tmp_path / "b", _MaskedLMTask(), progress=False,
                   step_hook=lambda s, m: (losses.__setitem__(s, m["loss"]), preempt(s, m)))
+  _, losses_b = _run(cfg, tmp_path / "b", None, task=_MaskedLMTask())
+  return losses_full, {**losses, **losses_b}, summary
+
+
+def test_another_task_reuses_the_loop_and_resumes_exactly(tmp_path):
+  cfg = _config(model=_SMALL_MLM, microbatch_size=2, checkpoint_every=1000,
+                stages=(Stage(seq_len=16, batch_size=4, steps=4, learning_rate=1e-2),))
+  losses_full, losses, summary = _masked_lm_interrupted_and_resumed(cfg, tmp_path)
   # Step 2's loss is read while step 3 runs (the host runs a step ahead): step 3 is saved.
   assert summary["status"] == "preempted" and summary["step"] == 3
-  _, losses_b = _run(cfg, tmp_path / "b", None, task=_MaskedLMTask())
-  assert {**losses, **losses_b} == losses_full  # bit-identical, dropout included
-  assert read_run_config(tmp_path / "b").model == model
+  assert losses == losses_full  # bit-identical, dropout included
+  assert read_run_config(tmp_path / "b").model == _SMALL_MLM
 
 
 def test_fit_trains_in_memory_as_train_does(tmp_path):
@@ -479,3 +489,90 @@ def test_fit_trains_in_memory_as_train_does(tmp_path):
   trainer = Trainer(diverging, task=CharLMTask(data))
   with pytest.raises(NonFiniteLossError, match=r"at step \d of fit\(\)"):
     trainer.fit(trainer.init_state())
+
+
+
+def _params_after_fit(cfg):
+  """{path: parameter} before and after `cfg`'s steps on `_MaskedLMTask`'s batches, and the
+  losses."""
+  from longformer_jax.training.schedule import param_path
+  trainer = Trainer(cfg, task=_MaskedLMTask())
+  state = trainer.init_state()
+  flat = lambda params: {param_path(p): np.asarray(x)
+                         for p, x in jax.tree_util.tree_leaves_with_path(params)}
+  before = flat(state.params)
+  state, losses = trainer.fit(state)
+  return before, flat(state.params), losses, state
+
+
+def test_trainable_freezes_every_other_parameter_bit_for_bit():
+  cfg = _config(model=_SMALL_MLM, stages=(Stage(seq_len=16, batch_size=4, steps=3,
+                                                learning_rate=1e-2),),
+                trainable=_POSITIONS)
+  before, after, _, state = _params_after_fit(cfg)
+  assert _POSITIONS in before and len(before) > 20
+  for path in before:
+    if path == _POSITIONS:
+      assert not np.array_equal(before[path], after[path])
+    else:  # frozen: exactly the initial bits (no update, no weight decay)
+      assert before[path].tobytes() == after[path].tobytes(), path
+  # Adam's moments exist for the trained parameter only.
+  moments = [x for x in jax.tree.leaves(state.opt_state) if getattr(x, "ndim", 0) >= 1]
+  assert [m.shape for m in moments] == [before[_POSITIONS].shape] * 2
+  # All trained: every parameter moves; a pattern matching every path is the same run.
+  everything = dataclasses.replace(cfg, trainable=None)
+  before_all, after_all, losses_all, _ = _params_after_fit(everything)
+  assert all(not np.array_equal(before_all[p], after_all[p]) for p in before_all
+             if "_global" not in p)  # no global tokens: the global projections get no gradient
+  _, after_any, losses_any, _ = _params_after_fit(dataclasses.replace(cfg, trainable="."))
+  assert losses_any == losses_all
+  assert all(after_any[p].tobytes() == after_all[p].tobytes() for p in after_all)
+
+
+def test_trainable_errors_name_the_pattern():
+  with pytest.raises(ValueError, match=r"TrainConfig.trainable='\(' is not a regular expression"):
+    _config(trainable="(")
+  with pytest.raises(ValueError, match="TrainConfig.trainable is empty"):
+    _config(trainable="")
+  with pytest.raises(TypeError, match=r"TrainConfig.trainable must be a regular expression \(str\) "
+                     r"or None, got \['position'\]"):
+    _config(trainable=["position"])
+  with pytest.raises(ValueError, match=r"trainable='positions_embedding' matches none of the "
+                     r"model's \d+ parameters \(paths such as \['lm_head/bias'"):
+    Trainer(_config(model=_SMALL_MLM, trainable="positions_embedding"), task=_MaskedLMTask())
+
+
+def test_a_run_with_frozen_parameters_resumes_exactly(tmp_path):
+  cfg = _config(model=_SMALL_MLM, trainable="position_embeddings|lm_head/bias",
+                checkpoint_every=1000,
+                stages=(Stage(seq_len=16, batch_size=4, steps=4, learning_rate=1e-2),))
+  losses_full, losses, summary = _masked_lm_interrupted_and_resumed(cfg, tmp_path)
+  assert summary["status"] == "preempted" and summary["step"] == 3
+  assert losses == losses_full  # bit-identical
+  assert read_run_config(tmp_path / "b").trainable == cfg.trainable
+  # Which parameters train is part of the run: another pattern is another run.
+  with pytest.raises(RunMismatchError, match=r"trainable: 'position_embeddings\|lm_head/bias' "
+                     r"-> None"):
+    _run(dataclasses.replace(cfg, trainable=None), tmp_path / "b", None, task=_MaskedLMTask())
+
+
+def test_optimizer_state_is_sharded_like_its_parameters():
+  """`optimizer_shardings` against optax.tree_map_params (the reference, for the optimizer it can
+  see into), with each parameter's "sharding" its path; with frozen parameters, the moments of
+  the trained ones only."""
+  from longformer_jax.training.loop import optimizer_shardings
+  from longformer_jax.training.schedule import make_optimizer, param_path
+  _, params, _ = nnx.split(nnx.eval_shape(lambda: LongformerForMaskedLM(_SMALL_MLM,
+                                                                       rngs=nnx.Rngs(0))),
+                           nnx.Param, ...)
+  names = jax.tree_util.tree_map_with_path(lambda path, _: param_path(path), params)
+  optimizer = make_optimizer(_config(model=_SMALL_MLM))
+  state = jax.eval_shape(optimizer.init, params)
+  expected = optax.tree_map_params(optimizer, lambda _, s: s, state, names,
+                                   transform_non_params=lambda _: "replicated")
+  assert optimizer_shardings(state, names, "replicated") == expected
+  assert len(set(jax.tree.leaves(expected))) == len(jax.tree.leaves(params)) + 1
+  frozen = make_optimizer(_config(model=_SMALL_MLM, trainable=_POSITIONS))
+  state = jax.eval_shape(frozen.init, params)
+  got = jax.tree.leaves(optimizer_shardings(state, names, "replicated"))
+  assert sorted(set(got)) == [_POSITIONS, "replicated"] and got.count(_POSITIONS) == 2

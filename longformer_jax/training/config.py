@@ -8,6 +8,7 @@ import json
 import math
 import numbers
 import os
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,6 +89,10 @@ class TrainConfig:
     queue more steps where dispatch is slow (a TPU pod); a non-finite loss then stops the run up
     to this many steps later, still before anything of it is saved. Evaluated, checkpointed and
     interrupted steps are read at once.
+  trainable: a regular expression naming the parameters that train (searched for in each
+    parameter's path, e.g. "longformer/embeddings/position_embeddings/embedding"; see
+    `schedule.param_path`); the others are frozen: no updates, no optimizer state. None: all
+    train.
   final_eval: keyword arguments of the evaluation that the entry point runs after training
     (`Task.final_evaluation`, e.g. `tasks.charlm.evaluate_run`'s plus `split`); None: skip it.
   """
@@ -113,6 +118,7 @@ class TrainConfig:
   keep_checkpoints: int = 2
   async_checkpoints: bool = True
   final_eval: dict[str, Any] | None = None
+  trainable: str | None = None
 
   def __post_init__(self):
     if not self.stages:
@@ -142,6 +148,7 @@ class TrainConfig:
         raise ValueError(f"stages[{i}].batch_size={stage.batch_size} is not a multiple of "
                          f"microbatch_size={self.microbatch_size}")
     object.__setattr__(self, "mesh_shape", check_mesh_shape(self.mesh_shape))
+    _check_pattern(self, "trainable")
 
   @property
   def total_steps(self) -> int:
@@ -189,6 +196,23 @@ def check_int(name: str, value: Any, *, minimum: int | None = None) -> None:
 def _check_int(cfg, name: str, *, minimum: int | None = None) -> None:
   """`check_int` of `cfg.<name>`, named `<class>.<name>`."""
   check_int(f"{type(cfg).__name__}.{name}", getattr(cfg, name), minimum=minimum)
+
+
+def _check_pattern(cfg, name: str) -> None:
+  """Raises unless `cfg.<name>` is None or a non-empty string that compiles as a regular
+  expression."""
+  value = getattr(cfg, name)
+  where = f"{type(cfg).__name__}.{name}"
+  if value is None:
+    return
+  if not isinstance(value, str):
+    raise TypeError(f"{where} must be a regular expression (str) or None, got {value!r}")
+  if not value:
+    raise ValueError(f"{where} is empty: give a pattern, or None to train every parameter")
+  try:
+    re.compile(value)
+  except re.error as e:
+    raise ValueError(f"{where}={value!r} is not a regular expression: {e}") from None
 
 
 def _check_real(cfg, name: str, *, minimum: float | None = None, above: float | None = None,

@@ -45,6 +45,9 @@ ON_REQUEST = frozenset({"weight_decay", "clip_norm", "adam_b1", "adam_b2", "adam
 ON_REQUEST_STAGE = frozenset({"learning_rate", "end_learning_rate", "warmup_steps"})
 # Stage fields the loop keeps itself (from the run's record), never compared.
 KEPT_BY_LOOP = frozenset({"step_changes"})
+# Fields added to TrainConfig after runs were recorded without them: a record that lacks one
+# ran with this value (the default, which reproduces what those runs computed).
+ADDED_LATER = {"trainable": None}
 
 
 class RunMismatchError(ValueError):
@@ -94,8 +97,8 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], *, step: int
   allow = set(allow)
   refused, accepted = [], []
   old_stages, new_stages = list(stored["stages"]), list(new["stages"])
-  old_flat = _flatten({k: v for k, v in stored.items() if k != "stages"})
-  new_flat = _flatten({k: v for k, v in new.items() if k != "stages"})
+  old_flat = _flatten({**ADDED_LATER, **{k: v for k, v in stored.items() if k != "stages"}})
+  new_flat = _flatten({**ADDED_LATER, **{k: v for k, v in new.items() if k != "stages"}})
   for key in sorted(set(old_flat) | set(new_flat)):
     old, value = old_flat.get(key, "<missing>"), new_flat.get(key, "<missing>")
     if _same(old, value) or key.split(".")[0] in FREE:
@@ -152,7 +155,7 @@ def _fixed(record: Mapping[str, Any]) -> dict[str, Any]:
   `ON_REQUEST` ones, and of the stages only the first one's (it has started by the first
   checkpoint), but for its steps and schedule values. A later stage may change until it starts,
   so its values in the record a run started with need not be those of a later checkpoint."""
-  flat = _flatten({k: v for k, v in record.items() if k != "stages"})
+  flat = _flatten({**ADDED_LATER, **{k: v for k, v in record.items() if k != "stages"}})
   first = (list(record.get("stages") or []) or [{}])[0]
   flat.update({f"stages.0.{k}": v for k, v in first.items()
                if k != "steps" and k not in ON_REQUEST_STAGE and k not in KEPT_BY_LOOP})

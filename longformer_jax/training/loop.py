@@ -98,6 +98,24 @@ class TrainState:
   opt_state: Any
 
 
+def optimizer_shardings(abstract_opt: Any, param_shardings: Any, replicated: NamedSharding
+                        ) -> Any:
+  """The shardings of an optimizer state: Adam's moments mirror the parameters (all of them, or
+  with `TrainConfig.trainable` the trained ones only, the frozen ones left out), so each state
+  leaf whose path ends with a parameter's path is sharded like that parameter; the others
+  (counts) are replicated. (optax.tree_map_params cannot see inside the per-label states of the
+  partitioned optimizer that freezing uses.)"""
+  by_path = {tuple(path): s for path, s in jax.tree_util.tree_leaves_with_path(param_shardings)}
+
+  def sharding(path, _):
+    for start in range(len(path)):  # the longest suffix first: a parameter's whole path
+      if tuple(path[start:]) in by_path:
+        return by_path[tuple(path[start:])]
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(sharding, abstract_opt)
+
+
 class Trainer:
   """The pieces `train` assembles, usable on their own (tests, notebooks): mesh, shardings,
   initial state, one jitted step per stage, checkpoint save/restore.
@@ -124,10 +142,7 @@ class Trainer:
     self.param_shardings = param_shardings(abstract_params, self.mesh, cfg.logical_rules)
     self.replicated = NamedSharding(self.mesh, P())
     abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-    # Optimizer moments mirror the parameters (and are sharded like them); counts replicate.
-    opt_shardings = optax.tree_map_params(
-        self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
-        transform_non_params=lambda _: self.replicated)
+    opt_shardings = optimizer_shardings(abstract_opt, self.param_shardings, self.replicated)
     self.state_shardings = TrainState(step=self.replicated, params=self.param_shardings,
                                       opt_state=opt_shardings)
     self._rest = None

@@ -1,9 +1,10 @@
 """The learning-rate schedule of a staged run and the optimizer (AdamW after global-norm
-clipping)."""
+clipping; with `TrainConfig.trainable`, for the parameters it names only)."""
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -73,12 +74,41 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
   return optax.join_schedules([stage_schedule(s) for s in cfg.stages], cfg.stage_starts()[1:])
 
 
+def param_path(path) -> str:
+  """A parameter's path as `TrainConfig.trainable` matches it: its modules and name joined by
+  "/", e.g. "longformer/embeddings/position_embeddings/embedding" (an nnx.Param's own "value"
+  leaf left off)."""
+  return jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+
+
+def trainable_labels(cfg: TrainConfig, params: Any) -> Any:
+  """`params`' tree with "trainable" or "frozen" for each parameter (`cfg.trainable`: a regular
+  expression searched for in `param_path`; None: all trainable). ValueError naming the pattern
+  and a few paths when it matches no parameter (a typo would otherwise train nothing)."""
+  if cfg.trainable is None:
+    return jax.tree.map(lambda _: "trainable", params)
+  pattern = re.compile(cfg.trainable)
+  labels = jax.tree_util.tree_map_with_path(
+      lambda path, _: "trainable" if pattern.search(param_path(path)) else "frozen", params)
+  if "trainable" not in jax.tree.leaves(labels):
+    paths = [param_path(path) for path, _ in jax.tree_util.tree_leaves_with_path(params)]
+    raise ValueError(f"TrainConfig.trainable={cfg.trainable!r} matches none of the model's "
+                     f"{len(paths)} parameters (paths such as {paths[:3]})")
+  return labels
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   schedule = learning_rate_schedule(cfg)
   # Weight decay on matrices and embeddings only: decaying LayerNorm gains and biases toward 0
   # only hurts.
   decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-  return optax.chain(
+  adamw = optax.chain(
       optax.clip_by_global_norm(cfg.clip_norm),
       optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
                   weight_decay=cfg.weight_decay, mask=decay_mask))
+  if cfg.trainable is None:
+    return adamw
+  # Frozen parameters get zero updates and no state at all (multi_transform hands each branch
+  # only its own parameters), and their gradients do not count in the clipping norm.
+  return optax.multi_transform({"trainable": adamw, "frozen": optax.set_to_zero()},
+                               lambda params: trainable_labels(cfg, params))
