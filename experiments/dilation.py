@@ -30,10 +30,11 @@ seeds per arm detect only 0.037 (study.detectable_difference: two-sample t, alph
 seeds per arm the detectable difference is (2.228 + 0.879) x sqrt(2/6) x 0.012 = 0.022 BPC
 (`PLANNED`): a 1% effect is found more than 80% of the time. So the default is seeds 0-5, 12
 runs, with 32,768 validation bytes scored per run (65,536 in window_schedule.py: the scored text
-is the same for every run, so its size moves all of them together) to stay within 20 minutes
-on 2 cores. This study keeps natural text (no data built to reward long reach): it asks whether
-the paper's gain holds at this scale, and the verdict says whether the measured difference
-could have shown it (`power_verdict`).
+is the same for every run, so its size moves all of them together) to save some of the time:
+at the earlier run's 734 s for 6 runs, 12 runs take about 24 minutes alone on 2 cores. This
+study keeps natural text (no data built to reward long reach): it asks whether the paper's gain
+holds at this scale, and the verdict says whether the measured difference could have shown it
+(`power_verdict`).
 
     python experiments/dilation.py                       # cpu size, seeds 0-5
     python experiments/dilation.py --device gpu --seeds 0 1 2 3 4

@@ -443,8 +443,8 @@ class _Preemption:
     * several: JAX's preemption sync point (`multihost_utils.reached_preemption_sync_point`,
       host to host through the coordination service of `jax.distributed`). Its SIGTERM handler,
       installed by `jax.distributed.initialize`, is C code that a Python handler would replace,
-      so none is installed; it tells every process of the notice within about a second and
-      names the same step on all of them;
+      so none is installed; it tells every process of the notice (its notifier polls for
+      SIGTERM, so a few steps may pass first) and names the same step on all of them;
     * several with JAX's preemption service off (`jax_enable_preemption_service=False`): the flag,
       OR-ed over the processes by a collective at checkpoint steps only.
   """
