@@ -21,7 +21,17 @@ and long-length training, through its functions):
 Metric: held-out MLM bits per character (as position_copy.py). The sizes and flags are
 position_copy.py's (`--device gpu` too).
 
-    python experiments/frozen_weights.py                  # 3 seeds
+Design and power, stated before the run. Both arms of a seed continue the same copied model on
+the same batches, so the seeds' own spread (the short models of different seeds differ by up to
+0.25 bpc) moves both arms alike: the claims are tested within seeds, by a paired t test on the
+per-seed differences (`study.compare(design="paired")`). An earlier 3-seed run (per-seed
+differences, long inputs +0.073, +0.042, +0.105; short +0.012, +0.021, +0.012) could not resolve
+either claim with the two-sample rule (detectable 0.35 and 0.45, the short models' spread); its
+differences have sds 0.031 (long) and 0.005 (short), with which 6 seeds detect 0.045 and 0.007
+(`PLANNED`), below the differences it saw. So the default is seeds 0-5 (about 17 minutes alone
+on 2 cores, by the earlier run's 170 s a seed).
+
+    python experiments/frozen_weights.py                  # seeds 0-5
     python experiments/frozen_weights.py --device gpu
 
 Writes experiments/results/frozen_weights.json (the studies' schema: {"study", "metric", "arms":
@@ -54,6 +64,16 @@ PAPER = {"unit": "MLM bits per masked token",
          "values": {"all_weights_long": 1.705, "positions_only_long": 1.850,
                     "copied_long": 1.957}}
 
+# Both arms of a seed start from one copied model and see the same batches: compared within
+# seeds (module docstring, "Design and power").
+DESIGN = "paired"
+SEEDS = tuple(range(6))
+# Written before the run: the sd of the per-seed differences of the earlier 3-seed run, and what
+# len(SEEDS) seeds detect with them (study.detectable_paired_difference_of_sd).
+PLANNED = {"earlier_run_seeds": 3,
+           "sd_of_differences_of_earlier_run": {"long": 0.031, "short": 0.005},
+           "seeds": len(SEEDS)}
+
 # The paper's claim (all weights train to a lower long-input BPC), and the reason it gives for
 # freezing (the frozen model keeps short-input performance: it reports no number for it).
 CLAIMS = (("all_weights_long", "positions_only_long"),
@@ -64,7 +84,7 @@ def verdict(study: dict) -> str:
   """Each claim's measured difference against the seeds' detectable difference (`study.RULE`),
   recomputed from the per-seed values, and how far each arm's short-input bpc moved from the
   short model's."""
-  study_lib.summarize_claims(study, CLAIMS, higher_is_better=False)
+  study_lib.summarize_claims(study, CLAIMS, higher_is_better=False, design=DESIGN)
   arms = study["arms"]
   long, short = study["comparisons"]
   drift = {arm: np.mean(np.subtract(arms[f"{arm}_short"]["values"],
@@ -79,6 +99,14 @@ def verdict(study: dict) -> str:
           f"{short['outcome']} (the paper's reason for freezing, not a number it reports). "
           f"Short-input bpc minus the short model's, mean over seeds: "
           + ", ".join(f"{arm} {d:+.3f}" for arm, d in drift.items()) + ".")
+
+
+def planned_power(seeds: int) -> dict:
+  """`PLANNED` with what `seeds` seeds detect at the earlier run's sds of the differences."""
+  sds = PLANNED["sd_of_differences_of_earlier_run"]
+  return {**PLANNED, "seeds": seeds,
+          **{f"detectable_{inputs}": study_lib.detectable_paired_difference_of_sd(sd, seeds)
+             for inputs, sd in sds.items()}}
 
 
 def plot(study: dict, path: Path) -> None:
@@ -118,6 +146,7 @@ def plot(study: dict, path: Path) -> None:
 
 def main(argv=None) -> int:
   parser = base.size_parser(__doc__, "frozen_weights")
+  parser.set_defaults(seeds=list(SEEDS))
   args = base.parse_sizes(parser, argv)
   if args.replot:
     out = Path(args.out)
@@ -129,6 +158,9 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   study_lib.compilation_cache("frozen_weights")
   log = lambda text: print(f"[{time.perf_counter() - start:6.0f}s] {text}", flush=True)
+  planned = planned_power(len(args.seeds))
+  log(f"planned: {len(args.seeds)} seeds, paired, detect {planned['detectable_long']:.3f} (long) "
+      f"and {planned['detectable_short']:.4f} (short) bpc at the earlier run's sds")
   log(f"training a {args.vocab}-id byte-level BPE on {base.DATASET} (train split)")
   data = base.Data(args.vocab)
 
@@ -173,7 +205,8 @@ def main(argv=None) -> int:
                 # The two arms' TrainConfigs differ in these fields only.
                 "arms_differ_in": sorted(k for k in a if a[k] != b[k]),
                 "parameters_changed_by_training": {arm: len(p) for arm, p in moved.items()},
-                "positions_only_changed": sorted(moved["positions_only"])},
+                "positions_only_changed": sorted(moved["positions_only"]),
+                "design": DESIGN, "planned_power": planned},
       "paper": PAPER,
   }
   base.finish(study, curves, start, args.out, verdict, plot, log)

@@ -35,6 +35,15 @@ DETECTABLE_FORMULA = (
     " ddof=1), t the Student t quantile; alpha 0.05 two-sided, power 0.8: the smallest true "
     "difference of two arms' means that a two-sample t test at these seed counts finds 80% of "
     "the time")
+# Studies whose arms start, per seed, from the same weights and train on the same batches compare
+# within each seed: a paired t test on the per-seed differences, whose spread leaves out what the
+# seeds move together (experiments/frozen_weights.py: both arms continue one copied model).
+PAIRED_FORMULA = (
+    "detectable difference = (t(1 - alpha/2, n - 1) + t(power, n - 1)) x sd_d / sqrt(n), sd_d the"
+    " sd (ddof=1) of the n per-seed differences of the two arms (same seed: same start and "
+    "batches), t the Student t quantile; alpha 0.05 two-sided, power 0.8: the smallest true mean "
+    "difference that a paired t test on these seeds finds 80% of the time")
+DESIGNS = ("independent", "paired")
 RULE = ("agree / disagree: the measured difference of the means is at least the detectable "
         "difference and goes the paper's way / the other way; cannot resolve: it is smaller (the "
         "seeds cannot tell it from no difference with the power asked)")
@@ -158,12 +167,45 @@ def detectable_difference_of_sd(sd: float, n_a: int, n_b: int, *, alpha: float =
   return float(_sd_factor(n_a, n_b, alpha, power) * sd)
 
 
+def detectable_paired_difference(differences: Sequence[float], *, alpha: float = ALPHA,
+                                 power: float = POWER) -> float:
+  """The smallest mean of per-seed differences that a two-sided paired t test at level `alpha`
+  detects with probability `power`, given these differences (`PAIRED_FORMULA`):
+
+      (t(1 - alpha/2, n - 1) + t(power, n - 1)) * sd_d / sqrt(n).
+
+  With 6 seeds (df 5) that is (2.571 + 0.920) / sqrt(6) = 1.425 sds of the differences.
+  Raises ValueError with fewer than 2 differences or alpha/power outside (0, 1)."""
+  d = np.asarray(differences, np.float64)
+  if d.size < 2:
+    raise ValueError(f"a paired detectable difference needs at least 2 per-seed differences, got "
+                     f"{d.size}")
+  return detectable_paired_difference_of_sd(float(np.std(d, ddof=1)), d.size, alpha=alpha,
+                                            power=power)
+
+
+def detectable_paired_difference_of_sd(sd: float, n: int, *, alpha: float = ALPHA,
+                                       power: float = POWER) -> float:
+  """`detectable_paired_difference` for n seeds whose per-seed differences have sd `sd`: what a
+  paired study states before it runs, from the differences of an earlier run."""
+  from scipy import stats as scipy_stats  # a dependency of jax
+  if n < 2:
+    raise ValueError(f"a paired detectable difference needs at least 2 seeds, got {n}")
+  _check_levels(alpha, power)
+  t = scipy_stats.t.ppf(1 - alpha / 2, n - 1) + scipy_stats.t.ppf(power, n - 1)
+  return float(t * sd / np.sqrt(n))
+
+
+def _check_levels(alpha: float, power: float) -> None:
+  if not (0 < alpha < 1 and 0 < power < 1):
+    raise ValueError(f"alpha and power must be in (0, 1), got alpha={alpha}, power={power}")
+
+
 def _sd_factor(n_a: int, n_b: int, alpha: float, power: float) -> float:
   """The detectable difference in pooled seed sds: (t(1 - alpha/2, df) + t(power, df)) x
   sqrt(1/n_a + 1/n_b)."""
   from scipy import stats as scipy_stats  # a dependency of jax
-  if not (0 < alpha < 1 and 0 < power < 1):
-    raise ValueError(f"alpha and power must be in (0, 1), got alpha={alpha}, power={power}")
+  _check_levels(alpha, power)
   df = n_a + n_b - 2
   t = scipy_stats.t.ppf(1 - alpha / 2, df) + scipy_stats.t.ppf(power, df)
   return float(t * np.sqrt(1 / n_a + 1 / n_b))
@@ -178,19 +220,30 @@ def outcome(difference: float, detectable: float) -> str:
 
 
 def compare(arms: dict, claims: Sequence[tuple[str, str]], *, higher_is_better: bool,
-            paper: dict | None = None) -> list[dict]:
+            paper: dict | None = None, design: str = "independent") -> list[dict]:
   """One entry per paper claim (better, worse): the measured difference of the means in the
   metric's better direction (> 0: the paper's), the per-seed differences (same seed, same
   batches and initialisation), the detectable difference, and the outcome. `paper`: the paper's
-  value per arm, when it gives numbers (its difference is stored beside ours)."""
+  value per arm, when it gives numbers (its difference is stored beside ours). `design`:
+  "independent" (two-sample t on the arms' seed spreads) or "paired" (paired t on the per-seed
+  differences; the two arms must hold the same seeds in the same order)."""
+  if design not in DESIGNS:
+    raise ValueError(f"design={design!r}: expected one of {DESIGNS}")
   out = []
   for better, worse in claims:
     a, b = arms[better], arms[worse]
     sign = 1.0 if higher_is_better else -1.0
-    detectable = detectable_difference(a["values"], b["values"])
+    paired = [sign * (va - vb) for va, vb in zip(a["values"], b["values"])]
+    if design == "paired":
+      if list(a["seeds"]) != list(b["seeds"]):
+        raise ValueError(f"a paired comparison needs the same seeds in both arms: {better} has "
+                         f"{a['seeds']}, {worse} has {b['seeds']}")
+      detectable = detectable_paired_difference(paired)
+    else:
+      detectable = detectable_difference(a["values"], b["values"])
     entry = {"paper_says": f"{better} better than {worse}",
              "difference": sign * (a["mean"] - b["mean"]),
-             "paired_differences": [sign * (va - vb) for va, vb in zip(a["values"], b["values"])],
+             "paired_differences": paired, "design": design,
              "detectable_difference": detectable}
     if paper and better in paper and worse in paper:
       entry["paper_difference"] = round(sign * (paper[better] - paper[worse]), 4)
@@ -199,27 +252,35 @@ def compare(arms: dict, claims: Sequence[tuple[str, str]], *, higher_is_better: 
   return out
 
 
-def power_summary(arms: dict, comparisons: Sequence[dict]) -> dict:
-  """The study's "detectable_difference" block: the formula and its settings; "value", the
-  detectable difference of two arms at the study's seed count whose seed sd is the one pooled
-  over every arm; and each claim's own."""
+def power_summary(arms: dict, comparisons: Sequence[dict], design: str = "independent") -> dict:
+  """The study's "detectable_difference" block: the formula and its settings, each claim's
+  detectable difference, and "value": independent design, the detectable difference of two arms
+  at the study's seed count whose seed sd is the one pooled over every arm; paired design, the
+  largest of the claims' (each from the sd of its own per-seed differences, "sd_of_differences")."""
   n = min(len(arm["values"]) for arm in arms.values())
   pooled = float(np.sqrt(np.mean([np.var(arm["values"], ddof=1) for arm in arms.values()])))
-  return {"value": _sd_factor(n, n, ALPHA, POWER) * pooled, "pooled_seed_sd": pooled,
-          "seeds_per_arm": n, "alpha": ALPHA, "power": POWER, "formula": DETECTABLE_FORMULA,
-          "rule": RULE,
-          "comparisons": {c["paper_says"]: c["detectable_difference"] for c in comparisons}}
+  block = {"design": design, "pooled_seed_sd": pooled, "seeds_per_arm": n, "alpha": ALPHA,
+           "power": POWER, "rule": RULE,
+           "comparisons": {c["paper_says"]: c["detectable_difference"] for c in comparisons}}
+  if design == "paired":
+    return {"value": max(c["detectable_difference"] for c in comparisons), **block,
+            "formula": PAIRED_FORMULA,
+            "sd_of_differences": {c["paper_says"]: float(np.std(c["paired_differences"], ddof=1))
+                                  for c in comparisons}}
+  return {"value": _sd_factor(n, n, ALPHA, POWER) * pooled, **block,
+          "formula": DETECTABLE_FORMULA}
 
 
 def summarize_claims(study: dict, claims: Sequence[tuple[str, str]], *,
-                     higher_is_better: bool) -> dict:
+                     higher_is_better: bool, design: str = "independent") -> dict:
   """`study` with "comparisons" and "detectable_difference" (re)derived from its arms' per-seed
-  values (so an old results JSON gains them without training anything)."""
+  values (so an old results JSON gains them without training anything); `design` as in
+  `compare`."""
   paper = study.get("paper", {})
   paper = paper.get("values", paper) if isinstance(paper, dict) else None
   study["comparisons"] = compare(study["arms"], claims, higher_is_better=higher_is_better,
-                                 paper=paper)
-  study["detectable_difference"] = power_summary(study["arms"], study["comparisons"])
+                                 paper=paper, design=design)
+  study["detectable_difference"] = power_summary(study["arms"], study["comparisons"], design)
   return study
 
 

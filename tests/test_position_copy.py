@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from testing import assert_study_claims
 
 pytestmark = pytest.mark.integration  # whole study runs in a subprocess
 
@@ -36,16 +37,10 @@ def _load(script):
 
 
 def _check_comparisons(study):
-  """Each claim's difference, detectable difference and outcome are the harness's, from the
-  arms' per-seed values (lower bpc is better)."""
-  study_lib = _load(ROOT / "experiments" / "study.py")
-  for c in study["comparisons"]:
-    better, worse = c["paper_says"].split(" better than ")
-    a, b = study["arms"][better], study["arms"][worse]
-    assert c["difference"] == pytest.approx(b["mean"] - a["mean"])
-    assert c["detectable_difference"] == pytest.approx(
-        study_lib.detectable_difference(a["values"], b["values"]))
-    assert c["outcome"] == study_lib.outcome(c["difference"], c["detectable_difference"])
+  """Each claim's difference, detectable difference (two-sample or, for a paired design, from
+  the per-seed differences) and outcome are the harness's, from the arms' per-seed values (lower
+  bpc is better)."""
+  assert_study_claims(study, _load(ROOT / "experiments" / "study.py"), higher_is_better=False)
   assert study["detectable_difference"]["seeds_per_arm"] == 2
 
 
@@ -129,12 +124,16 @@ def test_verdicts_weigh_the_gap_against_the_spread(gap, outcome):
            "paper": copy.PAPER}
   assert f": {outcome}" in copy.verdict(study)
   assert [c["outcome"][:len(outcome)] for c in study["comparisons"]] == [outcome] * 2
+  # frozen_weights compares within seeds (paired): its spread is that of the per-seed
+  # differences, here gap + (0.05, -0.1, 0.05) (a constant gap would have none).
   frozen = _load(FROZEN)
+  other = [3.0 + s for s in (spread[1], spread[2], spread[0])]
   study = {"arms": _arms(short_model=base, copied_long=base, copied_short=base,
-                         all_weights_long=base, positions_only_long=worse,
-                         positions_only_short=base, all_weights_short=worse),
+                         all_weights_long=other, positions_only_long=worse,
+                         positions_only_short=other, all_weights_short=worse),
            "paper": frozen.PAPER}
   assert f": {outcome}" in frozen.verdict(study)
+  assert {c["design"] for c in study["comparisons"]} == {"paired"}
   assert [c["outcome"][:len(outcome)] for c in study["comparisons"]] == [outcome] * 2
 
 

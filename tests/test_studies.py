@@ -85,12 +85,12 @@ def test_dilation(tmp_path):
 
 def test_dilation_states_its_power_before_it_runs():
   # The planned detectable difference is the harness's formula at the earlier run's sd: with
-  # 6 seeds per arm and sd 0.012, (2.2281 + 0.8791) x sqrt(2/6) x 0.012 = 0.02153 (t tables).
-  assert len(dilation.SEEDS) == 6
+  # 8 seeds per arm and sd 0.015, (2.1448 + 0.8681) x sqrt(2/8) x 0.015 = 0.02260 (t tables).
+  assert len(dilation.SEEDS) == 8 and dilation.PILOT["seed"] not in dilation.SEEDS
   planned = study_lib.detectable_difference_of_sd(
-      dilation.PLANNED["pooled_seed_sd_of_earlier_run"], 6, 6)
-  assert planned == pytest.approx(0.02153, abs=2e-5)
-  assert planned < dilation.paper_sized_effect(2.40)  # a 1% effect at 2.40 BPC is resolvable
+      dilation.PLANNED["pooled_seed_sd_of_earlier_run"], 8, 8)
+  assert planned == pytest.approx(0.02260, abs=2e-5)
+  assert planned < dilation.paper_sized_effect(2.50)  # a 1% effect at 2.50 BPC is resolvable
   # The same formula as detectable_difference on values whose pooled sd is 1.
   assert study_lib.detectable_difference_of_sd(1.0, 3, 3) == pytest.approx(
       study_lib.detectable_difference([1.0, 2.0, 3.0], [5.0, 6.0, 7.0]))
@@ -195,6 +195,44 @@ def test_power_summary_pools_the_seed_sd_over_the_arms():
   assert block["value"] == pytest.approx(3.0352 * np.sqrt(2.5), abs=1e-3)
   assert block["comparisons"] == {"a better than b": pytest.approx(block["value"])}
   assert (block["alpha"], block["power"], block["seeds_per_arm"]) == (0.05, 0.8, 3)
+
+
+def test_paired_detectable_difference_against_a_hand_computed_value():
+  # Differences 1, 2, 3: sd 1, n 3, df 2; t(0.975, 2) = 4.3027, t(0.8, 2) = 1.0607 (tables):
+  # 5.3634 / sqrt(3) = 3.0965.
+  assert study_lib.detectable_paired_difference([1.0, 2.0, 3.0]) == pytest.approx(3.0965,
+                                                                                 abs=1e-3)
+  # 6 seeds: (2.5706 + 0.9195) / sqrt(6) = 1.4248 sds of the differences.
+  assert study_lib.detectable_paired_difference_of_sd(1.0, 6) == pytest.approx(1.4248, abs=1e-3)
+  with pytest.raises(ValueError, match="at least 2 per-seed differences"):
+    study_lib.detectable_paired_difference([1.0])
+
+
+def test_a_paired_design_resolves_what_the_seeds_move_together():
+  """Seeds far apart (sd 1) that move both arms alike, the arms 0.2 apart in every seed: the
+  two-sample rule cannot resolve it, the paired one agrees; a claim the other way disagrees."""
+  better, worse = [1.2, 0.21, 2.19], [1.0, 0.0, 2.0]
+  arms = toy_arms(better, worse)
+  (independent,) = study_lib.compare(arms, [("a", "b")], higher_is_better=True)
+  (paired,) = study_lib.compare(arms, [("a", "b")], higher_is_better=True, design="paired")
+  assert independent["outcome"].startswith("cannot resolve")
+  assert paired["design"] == "paired" and paired["outcome"] == "agree"
+  assert paired["detectable_difference"] == pytest.approx(
+      study_lib.detectable_paired_difference([0.2, 0.21, 0.19]))
+  (reverse,) = study_lib.compare(arms, [("b", "a")], higher_is_better=True, design="paired")
+  assert reverse["outcome"] == "disagree"
+  block = study_lib.power_summary(arms, [paired], "paired")
+  assert block["design"] == "paired" and block["value"] == paired["detectable_difference"]
+  assert block["sd_of_differences"]["a better than b"] == pytest.approx(0.01)
+
+
+def test_a_paired_design_needs_the_same_seeds():
+  arms = {"a": study_lib.summarize([0, 1, 2], [1.0, 2.0, 3.0]),
+          "b": study_lib.summarize([0, 1, 3], [1.0, 2.0, 3.0])}
+  with pytest.raises(ValueError, match="same seeds in both arms"):
+    study_lib.compare(arms, [("a", "b")], higher_is_better=True, design="paired")
+  with pytest.raises(ValueError, match="design='matched'"):
+    study_lib.compare(arms, [("a", "b")], higher_is_better=True, design="matched")
 
 
 def test_every_committed_study_has_its_detectable_difference():

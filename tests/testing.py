@@ -188,8 +188,14 @@ def assert_study_claims(study: dict, study_lib, *, higher_is_better: bool | None
     if higher_is_better is not None:
       sign = 1.0 if higher_is_better else -1.0
       assert c["difference"] == pytest.approx(sign * (a["mean"] - b["mean"]))
-    assert c["detectable_difference"] == pytest.approx(
-        study_lib.detectable_difference(a["values"], b["values"])), c["paper_says"]
+    if c.get("design", "independent") == "paired":
+      assert c["paired_differences"] == pytest.approx(
+          [(1.0 if c["difference"] * (a["mean"] - b["mean"]) >= 0 else -1.0) * (va - vb)
+           for va, vb in zip(a["values"], b["values"])]), c["paper_says"]
+      expected = study_lib.detectable_paired_difference(c["paired_differences"])
+    else:
+      expected = study_lib.detectable_difference(a["values"], b["values"])
+    assert c["detectable_difference"] == pytest.approx(expected), c["paper_says"]
     assert c["outcome"] == study_lib.outcome(c["difference"], c["detectable_difference"])
 
 
