@@ -436,21 +436,22 @@ def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, g
   `_compose_sequence_shard_fused`, else `_with_globals_sharded`.
   """
   if fused and _has_slots(global_mask, num_global):
-    # q, k, v zeroed as without global tokens; the global projections where they are read.
-    shape = q.shape
-    q, k, v = zero_padding(attention_mask, (q, k, v))
-    out = _compose_sequence_shard_fused(
+    # Steps 0-5 there: q, k, v zeroed as without global tokens, the global projections where
+    # they are read.
+    return _compose_sequence_shard_fused(
         band_kernel, q, k, v, attention_mask, global_mask, global_qkv, window=window,
         dilations=dilations, causal=causal, num_global=num_global, axis_name=axis_name,
-        num_shards=num_shards, rows_kernel=rows_kernel)
-    return _finish(out, attention_mask, global_mask, num_global, axis_name).reshape(shape)
+        num_shards=num_shards, rows_kernel=rows_kernel).reshape(q.shape)
   # Zeroed before the halo exchange: a shard's halo holds its neighbours' zeroed rows.
   q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
   globals_ = _has_slots(global_mask, num_global)
   key_mask = attention_mask & ~global_mask if globals_ else attention_mask
-  out, lse = _band_on_extended_shard(band_kernel, q, k, v, key_mask, window=window,
-                                     dilations=dilations, causal=causal, axis_name=axis_name,
-                                     num_shards=num_shards, fused=fused)
+  out, lse, left = _band_on_extended_shard(band_kernel, q, k, v, key_mask, window=window,
+                                           dilations=dilations, causal=causal,
+                                           axis_name=axis_name, num_shards=num_shards,
+                                           fused=fused)
+  n = q.shape[1]
+  out, lse = out[:, left:left + n], lse[:, :, left:left + n]
   if globals_:
     out = _with_globals_sharded(out, lse, q, k, v, global_qkv, attention_mask, global_mask,
                                 num_global, axis_name)
@@ -459,8 +460,9 @@ def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, g
 
 def _band_on_extended_shard(band_kernel, q, k, v, key_mask, *, window, dilations, causal,
                             axis_name, num_shards, fused, global_kv=None):
-  """The band of this shard's queries (see `_compose_sequence_shard`): (out [B, n, H, D],
-  lse [B, H, n])."""
+  """The band of this shard's queries (see `_compose_sequence_shard`) on the extended rows:
+  (out [B, left + n + right, H, D], lse [B, H, left + n + right], left); rows left .. left + n
+  are this shard's queries, the rest the halo's zero queries."""
   n = q.shape[1]
   # A shard never needs rows from further than the whole rest of the sequence.
   reach = min(window * max(dilations), (num_shards - 1) * n)
@@ -473,13 +475,13 @@ def _band_on_extended_shard(band_kernel, q, k, v, key_mask, *, window, dilations
   out, lse = _band_all_heads(band_kernel, q_ext, k_ext, v_ext, key_mask_ext, window=window,
                              dilations=dilations, causal=causal, fused=fused,
                              global_kv=global_kv)
-  return out[:, left:left + n], lse[:, :, left:left + n]
+  return out, lse, left
 
 
 def _compose_sequence_shard_fused(band_kernel, q, k, v, attention_mask, global_mask,
                                   global_qkv, *, window, dilations, causal, num_global,
                                   axis_name, num_shards, rows_kernel):
-  """Steps 1-4 on one shard with a kernel that takes the dilation and the global keys itself
+  """Steps 0-5 on one shard with a kernel that takes the dilation and the global keys itself
   (the sequence-split `_compose_fused`): each shard selects the keys/values of its own global
   tokens (`_select_rows`: no gather of a full array), the slots of all shards are all-gathered
   (shards * num_global rows) and the kernel takes them as its global key tile, so no float32
@@ -490,12 +492,13 @@ def _compose_sequence_shard_fused(band_kernel, q, k, v, attention_mask, global_m
   flat = lambda x: x.reshape(batch, -1, heads * head_dim)
   idx_BxG, valid_BxG = _global_slots(global_mask, min(num_global, n))
   gather = functools.partial(sp.all_gather_slots, axis_name=axis_name)
+  q, k, v = zero_padding(attention_mask, (q, k, v))
   global_kv = (gather(_select_rows(k, idx_BxG)), gather(_select_rows(v, idx_BxG)),
                gather(valid_BxG))
-  out, _ = _band_on_extended_shard(band_kernel, q, k, v, attention_mask & ~global_mask,
-                                   window=window, dilations=dilations, causal=causal,
-                                   axis_name=axis_name, num_shards=num_shards, fused=True,
-                                   global_kv=global_kv)
+  out_ext, _, left = _band_on_extended_shard(
+      band_kernel, q, k, v, attention_mask & ~global_mask, window=window, dilations=dilations,
+      causal=causal, axis_name=axis_name, num_shards=num_shards, fused=True,
+      global_kv=global_kv)
   q_g, k_g, v_g = global_qkv
   q_rows_BxSGxHxD = gather(_global_query_rows(q_g, idx_BxG, attention_mask))
   if _takes_rows_kernel(rows_kernel, n):
@@ -507,7 +510,16 @@ def _compose_sequence_shard_fused(band_kernel, q, k, v, attention_mask, global_m
         q_rows_BxSGxHxD.astype(jnp.float32), zeroed(k_g), zeroed(v_g),
         attention_mask[:, None, None, :])
   rows_BxGxHxD = sp.merge_partial_softmax(part_out, part_lse, axis_name=axis_name)
-  return _scatter_global_rows(flat(out), flat(rows_BxGxHxD), idx_BxG, valid_BxG)
+  # The global rows and step 5 written on the extended rows (the halo's are dropped) and then
+  # sliced, not the other way round: the cotangent is then padded before these selects and
+  # enters the kernel from their fusion (sliced first, its pad sat between the selects and the
+  # kernel and XLA kept one more shard-sized copy of the output's gradient).
+  right = out_ext.shape[1] - left - n
+  extend = lambda x_BxN: jnp.pad(x_BxN, ((0, 0), (left, right)))  # halo rows: False
+  out_ext = _scatter_global_rows(flat(out_ext), flat(rows_BxGxHxD), idx_BxG + left, valid_BxG)
+  out_ext = _finish(out_ext, extend(attention_mask), extend(global_mask), num_global,
+                    axis_name)
+  return out_ext[:, left:left + n]
 
 
 def _with_globals_sharded(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
