@@ -300,6 +300,17 @@ class TestTpuBand(TestTritonBand):
       jax.clear_caches()
 
 
+def _global_rows_inputs(seq, num_global, batch, heads, head_dim, dtype, seed):
+  """(rng, global query rows [B, G, H, D], k_g, v_g [B, N, H, D], key mask [B, N]) for the
+  global rows' kernel: ~30% of keys masked, and row 1 of the batch with no key at all."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((batch, num_global, heads, head_dim)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
+          for _ in range(2))
+  mask = jnp.asarray(rng.random((batch, seq)) > 0.3).at[1].set(False)
+  return rng, q, k, v, mask
+
+
 class TestTpuBandInterpret(TestTpuBand):
   INTERPRET = True
 
@@ -312,11 +323,8 @@ class TestTpuBandInterpret(TestTpuBand):
     batch with no key at all) reaches nothing."""
     from longformer_jax.ops import band_mosaic
     batch, heads, head_dim = 2, 3, 64
-    rng = np.random.default_rng(seq)
-    q = jnp.asarray(rng.standard_normal((batch, num_global, heads, head_dim)), dtype)
-    k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
-            for _ in range(2))
-    mask = jnp.asarray(rng.random((batch, seq)) > 0.3).at[1].set(False)
+    rng, q, k, v, mask = _global_rows_inputs(seq, num_global, batch, heads, head_dim, dtype,
+                                             seed=seq)
     keep = mask[:, :, None, None]
 
     def kernel(q, k, v):
@@ -347,11 +355,8 @@ class TestTpuBandInterpret(TestTpuBand):
     with no key gives lse = EMPTY_LSE, zero gradients, and NaN at masked keys reaches nothing."""
     from longformer_jax.ops import band_mosaic
     batch, heads, head_dim = 2, 3, 64
-    rng = np.random.default_rng(seq + num_global)
-    q = jnp.asarray(rng.standard_normal((batch, num_global, heads, head_dim)), dtype)
-    k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
-            for _ in range(2))
-    mask = jnp.asarray(rng.random((batch, seq)) > 0.3).at[1].set(False)
+    rng, q, k, v, mask = _global_rows_inputs(seq, num_global, batch, heads, head_dim, dtype,
+                                             seed=seq + num_global)
     keep = mask[:, :, None, None]
 
     def kernel(q, k, v):
