@@ -300,6 +300,17 @@ class TestTpuBand(TestTritonBand):
       jax.clear_caches()
 
 
+def _global_rows_inputs(seq, num_global, batch, heads, head_dim, dtype, seed):
+  """(rng, global query rows [B, G, H, D], k_g, v_g [B, N, H, D], key mask [B, N]) for the
+  global rows' kernel: ~30% of keys masked, and row 1 of the batch with no key at all."""
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((batch, num_global, heads, head_dim)), dtype)
+  k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
+          for _ in range(2))
+  mask = jnp.asarray(rng.random((batch, seq)) > 0.3).at[1].set(False)
+  return rng, q, k, v, mask
+
+
 class TestTpuBandInterpret(TestTpuBand):
   INTERPRET = True
 
@@ -312,11 +323,8 @@ class TestTpuBandInterpret(TestTpuBand):
     batch with no key at all) reaches nothing."""
     from longformer_jax.ops import band_mosaic
     batch, heads, head_dim = 2, 3, 64
-    rng = np.random.default_rng(seq)
-    q = jnp.asarray(rng.standard_normal((batch, num_global, heads, head_dim)), dtype)
-    k, v = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), dtype)
-            for _ in range(2))
-    mask = jnp.asarray(rng.random((batch, seq)) > 0.3).at[1].set(False)
+    rng, q, k, v, mask = _global_rows_inputs(seq, num_global, batch, heads, head_dim, dtype,
+                                             seed=seq)
     keep = mask[:, :, None, None]
 
     def kernel(q, k, v):
@@ -336,6 +344,56 @@ class TestTpuBandInterpret(TestTpuBand):
                               reference_vjp(dout)):
       assert g.dtype == dtype
       assert_close(g, g_ref, tol, name)
+
+
+  @pytest.mark.parametrize("seq, num_global, dtype", [(384, 3, jnp.float32),
+                                                      (256, 8, jnp.bfloat16)])
+  def test_global_rows_lse(self, seq, num_global, dtype):
+    """`band_mosaic.global_rows_lse` (what the sequence-split path merges across shards): out
+    and the log-sum-exp against a dense float32 softmax, and the gradients of q, k_g, v_g under
+    random cotangents for BOTH outputs (the lse's enters as delta - dlse); a row of the batch
+    with no key gives lse = EMPTY_LSE, zero gradients, and NaN at masked keys reaches nothing."""
+    from longformer_jax.ops import band_mosaic
+    batch, heads, head_dim = 2, 3, 64
+    rng, q, k, v, mask = _global_rows_inputs(seq, num_global, batch, heads, head_dim, dtype,
+                                             seed=seq + num_global)
+    keep = mask[:, :, None, None]
+
+    def kernel(q, k, v):
+      return band_mosaic.global_rows_lse(q, jnp.where(keep, k, jnp.nan),
+                                         jnp.where(keep, v, jnp.nan), mask, True)
+
+    def reference(q, k, v):  # float32 [B, H, G, N] scores, masked keys dropped
+      f32 = lambda x: x.astype(jnp.float32)
+      s = jnp.einsum("bghd,bnhd->bhgn", f32(q), f32(k)) / math.sqrt(head_dim)
+      s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+      m = jnp.max(s, axis=-1, keepdims=True)
+      m = jnp.where(jnp.isfinite(m), m, 0.0)
+      l = jnp.sum(jnp.exp(s - m), axis=-1, keepdims=True)
+      p = jnp.exp(s - m) / jnp.where(l > 0, l, 1.0)
+      out = jnp.einsum("bhgn,bnhd->bghd", p, f32(v))
+      lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.where(l > 0, l, 1.0))[..., 0],
+                      EMPTY_LSE)
+      return out, lse
+
+    (out, lse), kernel_vjp = jax.vjp(kernel, q, k, v)
+    (out_ref, lse_ref), reference_vjp = jax.vjp(reference, q, k, v)
+    assert out.dtype == lse.dtype == jnp.float32 and lse.shape == (batch, heads, num_global)
+    tol = tolerance(dtype)
+    assert_close(out, out_ref, tol, "out")
+    assert_lse_close(lse, lse_ref, tol)
+    dout = jnp.asarray(rng.standard_normal(out.shape), jnp.float32)
+    dlse = jnp.asarray(rng.standard_normal(lse.shape), jnp.float32)
+    for name, g, g_ref in zip(("dq_rows", "dk_g", "dv_g"), kernel_vjp((dout, dlse)),
+                              reference_vjp((dout, dlse))):
+      assert g.dtype == dtype
+      assert_close(g, g_ref, tol, name)
+    # The lse cotangent alone moves dq and dk_g (not dv_g: lse does not depend on v).
+    dq_lse, dk_lse, dv_lse = kernel_vjp((jnp.zeros_like(dout), dlse))
+    dq_lse_ref, dk_lse_ref, _ = reference_vjp((jnp.zeros_like(dout), dlse))
+    assert_close(dq_lse, dq_lse_ref, tol, "dq_rows from dlse")
+    assert_close(dk_lse, dk_lse_ref, tol, "dk_g from dlse")
+    assert not np.any(np.asarray(dv_lse, np.float32))
 
 
 # ---------------------------------------------------------------------------------------------

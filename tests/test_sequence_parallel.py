@@ -9,6 +9,7 @@ fewer, `test_on_eight_devices` reruns this file in a subprocess with
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 
@@ -205,3 +206,61 @@ else:
     with pytest.raises(ValueError, match=r"differs between the 2 shards of head_axis='fsdp'"):
       ops.longformer_attention(q, k, v, **dict(kwargs, dilation=(1, 1, 2, 2)), mesh=mesh,
                                batch_axes="data", head_axis="fsdp")
+
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+  def test_tpu_kernels_on_a_split_sequence_with_globals_and_dilation(dtype):
+    """The sequence-split path as a TPU runs it (the Mosaic kernels, in interpret mode): the
+    all-gathered global keys as the band kernel's global tile and step 4 as
+    `band_mosaic.global_rows_lse` partial softmaxes merged across shards, against the dense
+    reference, forward and the gradients of q, k, v and the global projections. 2 shards of 128
+    (whole key blocks of the rows kernel), global tokens in both shards and none in one row,
+    padding, dilation 2 on half the heads (reach 2 * 40 into the neighbour)."""
+    from longformer_jax.ops import attention as attention_ops
+    from longformer_jax.ops import band_mosaic
+    from longformer_jax.ops.band_pallas import band_attention_pallas
+    from testing import assert_close, tolerance
+    batch, seq, heads, head_dim, window, dilations = 2, 256, 4, 64, 40, (1, 1, 2, 2)
+    mesh = _mesh((2, 2), ("data", "seq"))
+    rng = np.random.default_rng(11)
+    q, k, v, q_g, k_g, v_g = (jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)),
+                                          dtype) for _ in range(6))
+    attention_mask = jnp.asarray(np.arange(seq)[None, :] < np.array([[seq], [200]]))
+    global_mask = np.zeros((batch, seq), bool)
+    global_mask[0, [3, 127, 128, 250]] = True  # both shards, and a shard's edges
+    global_mask[1, [130, 199]] = True  # shard 1 only; 199 the last real token
+    global_mask = jnp.asarray(global_mask)
+    num_global = 4
+    kernel = functools.partial(band_attention_pallas, interpret=True, backend="tpu")
+    compose = functools.partial(
+        attention_ops._compose_sequence_shard, kernel, window=window, dilations=dilations,
+        causal=False, num_global=num_global, axis_name="seq", num_shards=2, fused=True,
+        rows_kernel=functools.partial(band_mosaic.global_rows_lse, interpret=True))
+    cotangent = jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), jnp.float32)
+
+    def split(q, k, v, q_g, k_g, v_g):
+      return attention_ops._on_mesh(compose, mesh, ("data", "seq"), ("data",), "seq", (), q, k,
+                                    v, attention_mask, global_mask, (q_g, k_g, v_g),
+                                    check_vma=False)
+
+    def reference(q, k, v, q_g, k_g, v_g):  # float32 from the same (rounded) inputs
+      f32 = lambda x: x.astype(jnp.float32)
+      return ops.longformer_attention(
+          f32(q), f32(k), f32(v), window=window, dilation=dilations,
+          attention_mask=attention_mask, global_mask=global_mask,
+          global_qkv=(f32(q_g), f32(k_g), f32(v_g)), impl="reference")
+
+    def loss_and_out(attend):
+      def loss(*args):
+        out = attend(*args)
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+      return jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))
+
+    args = (q, k, v, q_g, k_g, v_g)
+    grads, out = loss_and_out(split)(*args)
+    grads_ref, out_ref = loss_and_out(reference)(*args)
+    assert out.dtype == dtype
+    tol = tolerance(dtype)
+    assert_close(out, out_ref, tol, "out")
+    for name, g, g_ref in zip(("dq", "dk", "dv", "dq_g", "dk_g", "dv_g"), grads, grads_ref):
+      assert g.dtype == dtype
+      assert_close(g, g_ref, tol, name)

@@ -158,11 +158,15 @@ def _op_program(mesh, case: OpCase, grad: bool):
 @pytest.mark.parametrize("case", OP_CASES, ids=str)
 def test_op_gradients_compile_with_the_mosaic_kernel(slice_2x2, case):
   """value_and_grad of the op: 3 Mosaic calls (forward, dQ, dK/dV), whatever the dilations (one
-  launch of each kernel takes every head), and with global tokens over whole sequences 2 more
-  (the global rows' forward and backward, `band_mosaic.global_rows`; the sequence-split path
-  computes them as merged partial softmaxes); the interpret path would have none."""
+  launch of each kernel takes every head), and with global tokens 2 more (the global rows'
+  forward and backward, `band_mosaic.global_rows_lse`) where the rows on a device are a
+  multiple of 128: whole sequences, or shards of 512 when the sequence is split over 2 (a
+  split sequence merges their partial softmaxes across shards); 1001 split in 2 takes XLA's
+  pass. The interpret path would have none."""
   compiled = _op_program(slice_2x2, case, grad=True)
-  rows_kernel = case.globals and case.seq_axis is None
+  local_seq = case.seq if case.seq_axis is None else -(-case.seq // 2)
+  rows_kernel = case.globals and local_seq % 128 == 0
+  assert rows_kernel == (case.globals and case.seq != 1001)
   assert tpu_testing.mosaic_calls(compiled) == 3 + 2 * rows_kernel
 
 

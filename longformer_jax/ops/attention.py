@@ -157,11 +157,16 @@ def _dilated_band(band_kernel: BandKernel, q, k, v, key_mask, *, window, dilatio
   return out, lse
 
 
-def _band_all_heads(band_kernel, q, k, v, key_mask, *, window, dilations, causal, fused=False):
+def _band_all_heads(band_kernel, q, k, v, key_mask, *, window, dilations, causal, fused=False,
+                    global_kv=None):
   """Groups heads by dilation, runs each group, and puts the heads back in order (a fused
-  kernel addresses the dilated heads in place instead)."""
+  kernel addresses the dilated heads in place instead, and takes the global keys `global_kv`
+  as one more key tile)."""
   if fused:
-    return band_kernel(q, k, v, key_mask, window=window, causal=causal, dilation=dilations)
+    return band_kernel(q, k, v, key_mask, window=window, causal=causal, dilation=dilations,
+                       global_kv=global_kv)
+  if global_kv is not None:
+    raise ValueError("global_kv needs a fused band kernel")
   groups = sorted(set(dilations))
   if len(groups) == 1:
     return _dilated_band(band_kernel, q, k, v, key_mask, window=window,
@@ -349,7 +354,7 @@ def _select_rows(x_BxNxHxD, idx_BxG):
 
 
 def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
-                   dilations, causal, num_global, rows_kernel=False):
+                   dilations, causal, num_global, rows_kernel=None):
   """Steps 1-4, with global tokens, with a kernel that takes the dilation and the global keys
   itself: the only work outside it is gathering the G global rows, the [G x N] pass of step 4
   (`_global_rows_dense`) and writing its rows over the output.
@@ -364,13 +369,9 @@ def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv
   out, _ = band_kernel(q, k, v, attention_mask & ~global_mask, window=window, causal=causal,
                        dilation=dilations, global_kv=global_kv)
   q_g, k_g, v_g = global_qkv
-  # Only the G rows of q_g are read: zeroed here (a padding position may be global) rather than
-  # by a select over all of q_g.
-  q_rows = jnp.where(_gather_rows(attention_mask, idx_BxG)[:, :, None, None],
-                     _select_rows(q_g, idx_BxG), jnp.zeros((), q_g.dtype))
-  if rows_kernel and seq % 128 == 0:  # its key blocks are whole multiples of 128 lanes
-    from longformer_jax.ops import band_mosaic  # Lazy: only the TPU path needs Mosaic.
-    global_rows = band_mosaic.global_rows(q_rows, k_g, v_g, attention_mask)
+  q_rows = _global_query_rows(q_g, idx_BxG, attention_mask)
+  if _takes_rows_kernel(rows_kernel, seq):
+    global_rows, _ = rows_kernel(q_rows, k_g, v_g, attention_mask)
   else:  # zeroed at padding by a select the matmuls' operands fuse
     keep_BxNx1 = attention_mask[:, :, None]
     zeroed = lambda x: jnp.where(keep_BxNx1, flat(x), jnp.zeros((), x.dtype))
@@ -378,10 +379,26 @@ def _compose_fused(band_kernel, q, k, v, attention_mask, global_mask, global_qkv
   return _scatter_global_rows(flat(out), flat(global_rows), idx_BxG, valid_BxG)
 
 
+def _global_query_rows(q_g, idx_BxG, attention_mask):
+  """The G global query rows of q_g [B, N, H, D] as [B, G, H, D] in q_g's dtype: selected
+  (`_select_rows`) and zeroed here (a padding position may be a filler slot) rather than by a
+  select over all of q_g."""
+  return jnp.where(_gather_rows(attention_mask, idx_BxG)[:, :, None, None],
+                   _select_rows(q_g, idx_BxG), jnp.zeros((), q_g.dtype))
+
+
+def _takes_rows_kernel(rows_kernel, seq: int) -> bool:
+  """Whether step 4 runs in `rows_kernel` (`band_mosaic.global_rows_lse`): its key blocks are
+  whole multiples of 128 lanes."""
+  return rows_kernel is not None and seq % 128 == 0
+
+
 def _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, window,
-             dilations, causal, num_global, fused=False, rows_kernel=False):
+             dilations, causal, num_global, fused=False, rows_kernel=None):
   """Steps 0-5 of the module docstring on whole sequences (one device, or one batch shard).
-  rows_kernel: step 4 by the TPU kernel (`band_mosaic.global_rows`) where it takes the shape."""
+  rows_kernel: step 4 by this kernel where it takes the shape (on TPU
+  `band_mosaic.global_rows_lse`: (q_rows, k_g, v_g, key_mask) -> (out float32, lse)), else by
+  XLA."""
   if fused and _has_slots(global_mask, num_global):
     # q, k, v zeroed as without global tokens; the global projections are zeroed where they
     # are read (`_compose_fused`, `_global_rows_dense`). From the kernel's output on, [B, N, H*D]
@@ -408,31 +425,32 @@ def _compose(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *, w
 
 def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, global_qkv, *,
                             window, dilations, causal, num_global, axis_name, num_shards,
-                            fused=False, rows_kernel=False):
+                            fused=False, rows_kernel=None):
   """Steps 0-5 on one shard of the sequence (inside shard_map; docs/design.md §2.6).
 
   The band: keys, values and the key mask are extended by the `window * dilation` rows each side
   that this shard's queries can reach (`halo_exchange`); the band kernel runs on the extended
   rows with zero queries in the halo, whose outputs are dropped (exact: a dropped row gets a
   zero cotangent, so it adds nothing to dK/dV). The band structure is translation invariant, so
-  dilation's residue classes need no global offset. Globals: see `_with_globals_sharded`
-  (`rows_kernel` is not used there: step 4 runs as partial softmaxes merged across shards).
+  dilation's residue classes need no global offset. Globals: with a fused kernel
+  `_compose_sequence_shard_fused`, else `_with_globals_sharded`.
   """
-  n = q.shape[1]
+  if fused and _has_slots(global_mask, num_global):
+    # Steps 0-5 there: q, k, v zeroed as without global tokens, the global projections where
+    # they are read.
+    return _compose_sequence_shard_fused(
+        band_kernel, q, k, v, attention_mask, global_mask, global_qkv, window=window,
+        dilations=dilations, causal=causal, num_global=num_global, axis_name=axis_name,
+        num_shards=num_shards, rows_kernel=rows_kernel).reshape(q.shape)
   # Zeroed before the halo exchange: a shard's halo holds its neighbours' zeroed rows.
   q, k, v, global_qkv = zero_padding(attention_mask, (q, k, v, global_qkv))
-  # A shard never needs rows from further than the whole rest of the sequence.
-  reach = min(window * max(dilations), (num_shards - 1) * n)
-  left, right = reach, 0 if causal else reach
   globals_ = _has_slots(global_mask, num_global)
   key_mask = attention_mask & ~global_mask if globals_ else attention_mask
-  extend = functools.partial(sp.halo_exchange, axis_name=axis_name, num_shards=num_shards,
-                             left=left, right=right)
-  k_ext, v_ext = extend(k), extend(v)
-  key_mask_ext = extend(key_mask.astype(jnp.int32)).astype(bool)  # beyond the ends: 0
-  q_ext = jnp.pad(q, ((0, 0), (left, right), (0, 0), (0, 0)))
-  out, lse = _band_all_heads(band_kernel, q_ext, k_ext, v_ext, key_mask_ext, window=window,
-                             dilations=dilations, causal=causal, fused=fused)
+  out, lse, left = _band_on_extended_shard(band_kernel, q, k, v, key_mask, window=window,
+                                           dilations=dilations, causal=causal,
+                                           axis_name=axis_name, num_shards=num_shards,
+                                           fused=fused)
+  n = q.shape[1]
   out, lse = out[:, left:left + n], lse[:, :, left:left + n]
   if globals_:
     out = _with_globals_sharded(out, lse, q, k, v, global_qkv, attention_mask, global_mask,
@@ -440,12 +458,85 @@ def _compose_sequence_shard(band_kernel, q, k, v, attention_mask, global_mask, g
   return _finish(out, attention_mask, global_mask, num_global, axis_name)
 
 
+def _band_on_extended_shard(band_kernel, q, k, v, key_mask, *, window, dilations, causal,
+                            axis_name, num_shards, fused, global_kv=None, query_mask=None):
+  """The band of this shard's queries (see `_compose_sequence_shard`) on the extended rows:
+  (out [B, left + n + right, H, D], lse [B, H, left + n + right], left); rows left .. left + n
+  are this shard's queries, the rest the halo's zero queries. query_mask [B, n]: q as given,
+  zeroed where it is False in the pass that pads it (else q comes zeroed at padding)."""
+  n = q.shape[1]
+  # A shard never needs rows from further than the whole rest of the sequence.
+  reach = min(window * max(dilations), (num_shards - 1) * n)
+  left, right = reach, 0 if causal else reach
+  extend = functools.partial(sp.halo_exchange, axis_name=axis_name, num_shards=num_shards,
+                             left=left, right=right)
+  k_ext, v_ext = extend(k), extend(v)
+  key_mask_ext = extend(key_mask.astype(jnp.int32)).astype(bool)  # beyond the ends: 0
+  q_ext = jnp.pad(q, ((0, 0), (left, right), (0, 0), (0, 0)))
+  if query_mask is not None:
+    keep = jnp.pad(query_mask, ((0, 0), (left, right)))
+    q_ext = zero_padding(keep, q_ext)
+  out, lse = _band_all_heads(band_kernel, q_ext, k_ext, v_ext, key_mask_ext, window=window,
+                             dilations=dilations, causal=causal, fused=fused,
+                             global_kv=global_kv)
+  return out, lse, left
+
+
+def _compose_sequence_shard_fused(band_kernel, q, k, v, attention_mask, global_mask,
+                                  global_qkv, *, window, dilations, causal, num_global,
+                                  axis_name, num_shards, rows_kernel):
+  """Steps 0-5 on one shard with a kernel that takes the dilation and the global keys itself
+  (the sequence-split `_compose_fused`): each shard selects the keys/values of its own global
+  tokens (`_select_rows`: no gather of a full array), the slots of all shards are all-gathered
+  (shards * num_global rows) and the kernel takes them as its global key tile, so no float32
+  merge of full-size arrays remains. Step 4: the all-gathered global query rows (input dtype)
+  attend this shard's keys (`rows_kernel` with its log-sum-exp where it takes the shape, else
+  XLA) and the partial softmaxes are merged across shards. Returns [B, n, H*D]."""
+  batch, n, heads, head_dim = q.shape
+  flat = lambda x: x.reshape(batch, -1, heads * head_dim)
+  idx_BxG, valid_BxG = _global_slots(global_mask, min(num_global, n))
+  gather = functools.partial(sp.all_gather_slots, axis_name=axis_name)
+  # q is zeroed in the pass that pads it with the halo's queries (`query_mask`) rather than
+  # here with k and v: zeroed here, XLA kept the zeroed q as one more shard-sized array and moved
+  # it in and out of VMEM (compiled for v5e at 65,536 tokens per shard: 3 KB per token more
+  # accessed, and at 32,768 4.5 KB per token more temporaries).
+  k, v = zero_padding(attention_mask, (k, v))
+  global_kv = (gather(_select_rows(k, idx_BxG)), gather(_select_rows(v, idx_BxG)),
+               gather(valid_BxG))
+  out_ext, _, left = _band_on_extended_shard(
+      band_kernel, q, k, v, attention_mask & ~global_mask, window=window, dilations=dilations,
+      causal=causal, axis_name=axis_name, num_shards=num_shards, fused=True,
+      global_kv=global_kv, query_mask=attention_mask)
+  q_g, k_g, v_g = global_qkv
+  q_rows_BxSGxHxD = gather(_global_query_rows(q_g, idx_BxG, attention_mask))
+  if _takes_rows_kernel(rows_kernel, n):
+    part_out, part_lse = rows_kernel(q_rows_BxSGxHxD, k_g, v_g, attention_mask)
+  else:  # float32 rows (tiny); k_g, v_g zeroed at padding by a select
+    keep_BxNx1x1 = attention_mask[:, :, None, None]
+    zeroed = lambda x: jnp.where(keep_BxNx1x1, x, jnp.zeros((), x.dtype))
+    part_out, part_lse, _ = masked_softmax_attention(
+        q_rows_BxSGxHxD.astype(jnp.float32), zeroed(k_g), zeroed(v_g),
+        attention_mask[:, None, None, :])
+  rows_BxGxHxD = sp.merge_partial_softmax(part_out, part_lse, axis_name=axis_name)
+  # The global rows and step 5 written on the extended rows (the halo's are dropped) and then
+  # sliced, not the other way round: the cotangent is then padded before these selects and
+  # enters the kernel from their fusion (sliced first, its pad sat between the selects and the
+  # kernel and XLA kept one more shard-sized copy of the output's gradient).
+  right = out_ext.shape[1] - left - n
+  extend = lambda x_BxN: jnp.pad(x_BxN, ((0, 0), (left, right)))  # halo rows: False
+  out_ext = _scatter_global_rows(flat(out_ext), flat(rows_BxGxHxD), idx_BxG + left, valid_BxG)
+  out_ext = _finish(out_ext, extend(attention_mask), extend(global_mask), num_global,
+                    axis_name)
+  return out_ext[:, left:left + n]
+
+
 def _with_globals_sharded(band_out, band_lse, q, k, v, global_qkv, attention_mask, global_mask,
                           num_global, axis_name):
-  """Steps 3-4 with the sequence split over `axis_name`: each shard gathers the keys/values of
-  its own global tokens (up to num_global slots), the slots of all shards are all-gathered
-  (shards * num_global rows: never the full length), and the global rows are computed as
-  partial softmaxes over each shard's keys merged across shards."""
+  """Steps 3-4 with the sequence split over `axis_name` and a band kernel that takes no global
+  keys: each shard gathers the keys/values of its own global tokens (up to num_global slots),
+  the slots of all shards are all-gathered (shards * num_global rows: never the full length),
+  merged with the band by LSE, and the global rows are computed as partial softmaxes over each
+  shard's keys merged across shards."""
   slots = min(num_global, q.shape[1])
   idx_BxG, valid_BxG = _global_slots(global_mask, slots)
   gather = functools.partial(sp.all_gather_slots, axis_name=axis_name)
@@ -761,7 +852,8 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
   static = dict(window=window, dilations=dilations, causal=causal, num_global=num_global)
   band_kernel, static["fused"] = _band_kernel(impl, platform)
   if impl == "pallas" and platform == "tpu":
-    static["rows_kernel"] = True
+    from longformer_jax.ops import band_mosaic  # Lazy: only the TPU path needs Mosaic.
+    static["rows_kernel"] = band_mosaic.global_rows_lse
   args = (q, k, v, attention_mask, global_mask, global_qkv)
   # The op's own shard_map checks varying manual axes (the kernels state them for their outputs,
   # `band_blocks.out_struct`), except around kernels in interpret mode: jax's Pallas HLO

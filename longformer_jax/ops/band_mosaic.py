@@ -730,12 +730,21 @@ def _transposed(x_BxNxHxD):
   return jnp.transpose(x_BxNxHxD, (0, 2, 3, 1))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def global_rows(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN, interpret=False):
   """The G global queries [B, G, H, D] of each head against every key of k_g, v_g [B, N, H, D]
   (N a multiple of 128), keys outside key_mask [B, N] never read (a select: NaN there reaches
   nothing). Inputs in their dtype, float32 accumulation and softmax; returns [B, G, H, D] in
   q's dtype (rows with no key: 0); gradients of all three, k_g's and v_g's in their dtype."""
+  out, _ = global_rows_lse(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN, interpret)
+  return out.astype(q_rows_BxGxHxD.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def global_rows_lse(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN, interpret=False):
+  """`global_rows` with the rows' log-sum-exp: (out [B, G, H, D] float32, lse [B, H, G] float32,
+  `EMPTY_LSE` for a row with no key), so that softmaxes over disjoint key sets (the shards of a
+  split sequence) can be merged (`sequence_parallel.merge_partial_softmax`). Differentiable in
+  both outputs: d lse / d s = p, so the lse cotangent enters the backward as delta - dlse."""
   return _global_rows_fwd(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN,
                           interpret)[0]
 
@@ -745,19 +754,22 @@ def _global_rows_fwd(q_rows_BxGxHxD, k_g_BxNxHxD, v_g_BxNxHxD, key_mask_BxN, int
   mask_Bx1xN = key_mask_BxN.astype(jnp.float32)[:, None, :]
   kt, vt = _transposed(k_g_BxNxHxD), _transposed(v_g_BxNxHxD)
   out_BxHxGxD, lse_BxHxGx128 = _global_rows_call(q_BxHxGxD, kt, vt, mask_Bx1xN, interpret)
-  out = jnp.swapaxes(out_BxHxGxD, 1, 2).astype(q_rows_BxGxHxD.dtype)
+  outputs = (jnp.swapaxes(out_BxHxGxD, 1, 2), lse_BxHxGx128[..., 0])
   residuals = (q_BxHxGxD, kt, vt, mask_Bx1xN, out_BxHxGxD, lse_BxHxGx128,
                jnp.zeros((), q_rows_BxGxHxD.dtype))
-  return out, residuals
+  return outputs, residuals
 
 
-def _global_rows_bwd(interpret, residuals, dout_BxGxHxD):
+def _global_rows_bwd(interpret, residuals, cotangents):
   q_BxHxGxD, kt, vt, mask_Bx1xN, out_BxHxGxD, lse_BxHxGx128, q_dtype = residuals
+  dout_BxGxHxD, dlse_BxHxG = cotangents
   batch, heads, num_global, head_dim = q_BxHxGxD.shape
   seq = kt.shape[-1]
   block = _global_rows_block(seq)
   do_BxHxGxD = jnp.swapaxes(dout_BxGxHxD, 1, 2).astype(jnp.float32)
-  delta_BxHxGx1 = jnp.sum(do_BxHxGxD * out_BxHxGxD, axis=-1, keepdims=True)
+  # ds = p * (dp - delta) + dlse * p: the lse cotangent is folded into delta (tiny: G rows).
+  delta_BxHxGx1 = (jnp.sum(do_BxHxGxD * out_BxHxGxD, axis=-1, keepdims=True)
+                   - dlse_BxHxG.astype(jnp.float32)[..., None])
   delta_BxHxGx128 = jnp.broadcast_to(delta_BxHxGx1, lse_BxHxGx128.shape)
   rows, stats, keys, mask = _global_rows_specs(q_BxHxGxD, kt, block)
   parts = pl.BlockSpec((None, None, None, num_global, head_dim), lambda b, h, j: (b, h, j, 0, 0))
@@ -778,4 +790,4 @@ def _global_rows_bwd(interpret, residuals, dout_BxGxHxD):
   return dq, untranspose(dkt), untranspose(dvt), None
 
 
-global_rows.defvjp(_global_rows_fwd, _global_rows_bwd)
+global_rows_lse.defvjp(_global_rows_fwd, _global_rows_bwd)
