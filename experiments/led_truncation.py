@@ -47,8 +47,9 @@ checked against the detectable difference of the seeds (experiments/study.py).
 
 Sizes (`--device`): cpu (default): BART 64 positions -> LED 512 tokens, one-sided window 32,
 d_model 64, 2 + 2 layers, a 2,048-id BPE, 1,000 pretraining steps of 8 chunks, 1,000
-fine-tuning steps of 8 pairs, 48 held-out pairs, 3 seeds (the measured time and the load
-averages at start and end are in the JSON's setup); gpu: BART 512 -> LED 4,096 (window 256),
+fine-tuning steps of 8 pairs, 48 held-out pairs, 3 seeds: 14.9 minutes measured on 2 cores
+shared with other jobs (load average 4.2 at the start, 1.7 at the end; the time and loads of a
+run are in the JSON's setup); gpu: BART 512 -> LED 4,096 (window 256),
 d_model 256, 3 + 3 layers, 4,000 + 3,000 steps (not run); --tiny: a minute, for the tests.
 
     python experiments/led_truncation.py                  # cpu size, seeds 0 1 2
