@@ -447,7 +447,7 @@ def plot(study: dict, path: Path) -> None:
   constant = study.get("data_properties", {}).get("constant_output")
   if constant:  # what an output that ignores the source gets: the floor of learning anything
     for i, kind in enumerate(ROUGE):
-      left.hlines(constant[kind], i - 2 * width, i + 2 * width, colors="gray", linestyles="--",
+      left.hlines(constant[kind], i - width, i + width, colors="gray", linestyles="--",
                   label="best constant output" if i == 0 else None)
   left.set_xticks(range(len(ROUGE)), [k.upper().replace("ROUGE", "ROUGE-") for k in ROUGE])
   left.set_ylabel("held-out ROUGE F-measure")
