@@ -28,8 +28,8 @@ per-seed differences (`study.compare(design="paired")`). An earlier 3-seed run (
 differences, long inputs +0.073, +0.042, +0.105; short +0.012, +0.021, +0.012) could not resolve
 either claim with the two-sample rule (detectable 0.35 and 0.45, the short models' spread); its
 differences have sds 0.031 (long) and 0.005 (short), with which 6 seeds detect 0.045 and 0.007
-(`PLANNED`), below the differences it saw. So the default is seeds 0-5 (about 17 minutes alone
-on 2 cores, by the earlier run's 170 s a seed).
+(`PLANNED`), below the differences it saw. So the default is seeds 0-5: 34 minutes measured on 2
+cores shared with other jobs (load 5-7); the earlier run's 170 s a seed would make it 17.
 
     python experiments/frozen_weights.py                  # seeds 0-5
     python experiments/frozen_weights.py --device gpu

@@ -25,9 +25,9 @@ pytestmark = pytest.mark.unit
 SEEDS = [0, 1]
 
 
-def run_tiny(module, tmp_path: Path) -> dict:
+def run_tiny(module, tmp_path: Path, *extra: str) -> dict:
   out = tmp_path / f"{module.STUDY}.json"
-  assert module.main(["--tiny", "--seeds", *map(str, SEEDS), "--out", str(out)]) == 0
+  assert module.main(["--tiny", "--seeds", *map(str, SEEDS), "--out", str(out), *extra]) == 0
   png = out.with_suffix(".png")
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   return json.loads(out.read_text())
@@ -72,15 +72,21 @@ def test_window_schedule(tmp_path):
 
 
 def test_dilation(tmp_path):
-  study = run_tiny(dilation, tmp_path)
+  study = run_tiny(dilation, tmp_path, "--windows", "2", "6")  # the 2-layer tiny model
   check_schema(study, "dilation", {"no_dilation", "dilation_2_heads"})
   plain, dilated = study["arms"]["no_dilation"], study["arms"]["dilation_2_heads"]
-  assert plain["windows"] == dilated["windows"]
+  assert plain["windows"] == dilated["windows"] == [2, 6]
   assert all(d == 1 for heads in plain["dilations"] for d in heads)
   top = dilated["dilations"][-1]
   assert top[:-2] == [1] * (len(top) - 2) and min(top[-2:]) > 1  # the last 2 heads only
   assert dilated["dilations"][0] == [1] * len(top)  # the bottom layer is never dilated
   assert dilated["receptive_field"] > plain["receptive_field"]
+
+
+def test_dilation_refuses_windows_that_shrink(tmp_path):
+  with pytest.raises(ValueError, match=r"--windows 3 2: expected 1 <= FIRST <= LAST"):
+    dilation.main(["--tiny", "--windows", "3", "2", "--out", str(tmp_path / "x.json")])
+  assert not (tmp_path / "x.json").exists()
 
 
 def test_dilation_states_its_power_before_it_runs():
