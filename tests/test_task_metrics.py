@@ -360,6 +360,10 @@ def test_coref_repeated_response_mention_counts_once_where_it_first_occurs():
   # The first occurrence is the one kept: {b, c}, {a, b} -> {b, c}, {a}.
   assert coref_scores(golds=[key], predictions=[_clusters("bc", "ab")]) == coref_scores(
       golds=[key], predictions=[_clusters("bc", "a")])
+  # A repeated mention that matches no gold mention counts once too: {x, x} is the singleton
+  # {x}, so B-cubed precision is (2^2/2 + 0) / 3 = 2/3 (twice, it would be 2 / 4).
+  twinless = coref_scores(golds=[_clusters("ab")], predictions=[_clusters("ab", "xx")])
+  assert twinless["b3"]["p"] == pytest.approx(2 / 3)
   # A cluster left with one mention is a singleton: scored by default, dropped without them.
   counts = coref_metrics.metric_counts(key, _clusters("ab", "bc"), singletons=False)
   assert counts == coref_metrics.metric_counts(key, _clusters("ab"), singletons=False)

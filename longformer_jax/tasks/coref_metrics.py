@@ -149,9 +149,12 @@ def coref_scores(*, golds: Sequence[Clusters] | Mapping[str, Clusters],
       metrics (and most coreference papers), one-mention clusters of both sides are removed
       before scoring; the two agree when neither side has any, as on OntoNotes' gold.
 
-  Both conventions follow the reference scorer on repeated mentions: a mention listed again, in
-  its own cluster or another, counts once, where it first occurs (clusters in order, mentions in
-  order); the rest of the later cluster is scored. The same rule is applied to the gold.
+  Repeated mentions, under both conventions: a mention listed again, in its own cluster or
+  another, counts once, where it first occurs (clusters in order, mentions in order); the rest
+  of the later cluster is scored, and a cluster left empty is dropped. The reference scorer
+  (v8.01) does this for a repeated response mention that matches a gold mention (and refuses a
+  response with more than ten repeats); here the rule also covers a repeated response mention
+  that matches none, which the reference scorer leaves twice, and the gold, where it only warns.
 
   Returns:
     {"muc": {"p", "r", "f1"}, "b3": {...}, "ceafe": {...}, "conll_f1"}, fractions in [0, 1],
