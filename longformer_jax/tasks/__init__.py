@@ -12,5 +12,7 @@ final evaluation, on the engine of `longformer_jax.training` (the `Task` contrac
 """
 
 from longformer_jax.tasks.charlm import CharLMTask
+from longformer_jax.tasks.coref_metrics import coref_scores
+from longformer_jax.tasks.qa_metrics import hotpot_scores
 
-__all__ = ["CharLMTask"]
+__all__ = ["CharLMTask", "coref_scores", "hotpot_scores"]
