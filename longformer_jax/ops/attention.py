@@ -13,6 +13,7 @@ The `"reference"` implementation bypasses all of this and computes the masks den
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from longformer_jax.ops import sharded
@@ -20,7 +21,7 @@ from longformer_jax.ops.dispatch import (IMPLS, band_kernel_for, checks_vma, op_
                                          platform_of, resolve_impl, target_platform)
 from longformer_jax.ops.reference import dense_attention
 from longformer_jax.ops.sequence_parallel import dense_sequence_shard
-from longformer_jax.ops.validation import validate_attention_args
+from longformer_jax.ops.validation import check_arrays, validate_attention_args
 
 __all__ = ["IMPLS", "longformer_attention", "platform_of", "resolve_impl", "target_platform"]
 
@@ -34,10 +35,11 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
   """Longformer self-attention (docs/design.md §1): sliding window + dilation + symmetric global.
 
   Args:
-    q, k, v: [batch, seq, heads, head_dim], any float dtype (softmax runs in float32).
+    q, k, v: [batch, seq, heads, head_dim] arrays of one float dtype, global_qkv's too (softmax
+      runs in float32). With no element (a dimension 0) the output is empty (§1.1).
     window: ONE-SIDED window: a query sees `window` band positions on each side and itself
       (HF's `attention_window` is the total, twice this).
-    dilation: an int, or a tuple with one int per head.
+    dilation: an int, or a tuple with one int per head (seq or more: the query alone, §1.2).
     causal: query i sees keys i - d*t for t in 0..window. Incompatible with global tokens.
     attention_mask: [batch, seq], 1 for real tokens, 0 for padding. Padding queries output 0,
       and whatever q, k, v and global_qkv hold at padding positions (NaN and inf included)
@@ -81,13 +83,16 @@ def longformer_attention(q, k, v, *, window: int, dilation=1, causal: bool = Fal
   Returns:
     [batch, seq, heads, head_dim] in the dtype of q.
   """
+  check_arrays(q=q, k=k, v=v)
   ctx, dilation = sharded.caller_mesh(q, dilation, mesh=mesh, seq_axis=seq_axis,
                                       batch_axes=batch_axes, head_axis=head_axis)
   dilations, attention_mask, global_mask, global_qkv, num_global = validate_attention_args(
       q, k, v, window=window, dilation=dilation, causal=causal, attention_mask=attention_mask,
       global_mask=global_mask, global_qkv=global_qkv, max_global=max_global)
   platform = op_platform(mesh, ctx)
-  impl = resolve_impl(impl, q, window, platform)
+  impl = resolve_impl(impl, q, window, platform, dilations)
+  if q.size == 0:  # an empty batch or sequence, no heads, head_dim 0: nothing to attend
+    return jnp.zeros_like(q)
   args = (q, k, v, attention_mask, global_mask, global_qkv)
   static = dict(window=window, dilations=dilations, causal=causal, num_global=num_global)
   if impl == "reference":  # dense, for tests: XLA partitions it on a mesh

@@ -27,6 +27,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
+from longformer_jax.ops.band_blocks import reachable_dilations
 from longformer_jax.ops.dispatch import BandKernel
 from longformer_jax.ops.global_tokens import (finish, global_query_rows, global_rows_dense,
                                               global_slots, has_slots, scatter_global_rows,
@@ -60,6 +61,9 @@ def band_all_heads(band_kernel, q, k, v, key_mask, *, window, dilations, causal,
   """Groups heads by dilation, runs each group, and puts the heads back in order (a fused
   kernel addresses the dilated heads in place instead, and takes the global keys `global_kv`
   as one more key tile)."""
+  # A dilation past the rows the band runs on reaches only the query itself, as the length
+  # does (`band_blocks.reachable_dilations`): capped so that nothing is padded by its raw value.
+  dilations = reachable_dilations(dilations, q.shape[1])
   if fused:
     return band_kernel(q, k, v, key_mask, window=window, causal=causal, dilation=dilations,
                        global_kv=global_kv)

@@ -74,17 +74,17 @@ def platform_of(mesh: Mesh | AbstractMesh | None) -> str:
   return mesh.devices.flat[0].platform
 
 
-def _pallas_available(q, window: int, platform: str) -> bool:
+def _pallas_available(q, window: int, platform: str, dilation) -> bool:
   try:
     from longformer_jax.ops import band_pallas  # Lazy: Pallas imports are heavy and optional.
   except ImportError:
     return False
-  return band_pallas.pallas_supported(q.shape, q.dtype, window, platform)
+  return band_pallas.pallas_supported(q.shape, q.dtype, window, platform, dilation)
 
 
-def resolve_impl(impl: str, q, window: int, platform: str | None = None) -> str:
-  """'auto' -> the fastest implementation that can take these inputs on `platform` (default:
-  `target_platform`'s, else the default backend's)."""
+def resolve_impl(impl: str, q, window: int, platform: str | None = None, dilation=1) -> str:
+  """'auto' -> the fastest implementation that can take these inputs (with `dilation`, an int or
+  one per head) on `platform` (default: `target_platform`'s, else the default backend's)."""
   if impl not in IMPLS + ("auto",):
     raise ValueError(f"impl={impl!r}; expected one of {IMPLS + ('auto',)}")
   platform = platform_of(None) if platform is None else platform
@@ -93,7 +93,7 @@ def resolve_impl(impl: str, q, window: int, platform: str | None = None) -> str:
                      f"(kernels for {KERNEL_PLATFORMS}); use impl='chunked'")
   if impl != "auto":
     return impl
-  if platform in ("gpu", "cuda", "tpu") and _pallas_available(q, window, platform):
+  if platform in ("gpu", "cuda", "tpu") and _pallas_available(q, window, platform, dilation):
     return "pallas"
   return "chunked"
 

@@ -149,8 +149,8 @@ def _compose_sequence_shard_fused(band_kernel, q, k, v, attention_mask, global_m
                                   global_qkv, *, window, dilations, causal, num_global,
                                   axis_name, num_shards, rows_kernel):
   """Steps 0-5 on one shard with a kernel that takes the dilation and the global keys itself
-  (the sequence-split `compose._compose_fused`): each shard selects the keys/values of its own global
-  tokens (`select_rows`: no gather of a full array), the slots of all shards are all-gathered
+  (the sequence-split `compose._compose_fused`): each shard selects the keys/values of its own
+  global tokens (`select_rows`: no gather of a full array), the slots of all shards are all-gathered
   (shards * num_global rows) and the kernel takes them as its global key tile, so no float32
   merge of full-size arrays remains. Step 4: the all-gathered global query rows (input dtype)
   attend this shard's keys (`rows_kernel` with its log-sum-exp where it takes the shape, else
