@@ -399,6 +399,111 @@ def test_traced_global_mask_needs_max_global():
     f(jnp.ones((1, 6), bool))
 
 
+# ----------------------------------------------------------------------------------------------
+# The op at its edges (docs/design.md §1.1-1.2): the same answer from every implementation.
+
+EVERY_IMPL = ["reference", "chunked", pytest.param("pallas", marks=pytest.mark.kernels)]
+
+
+@pytest.mark.parametrize("impl", EVERY_IMPL)
+@pytest.mark.parametrize("shape", [(0, 16, 2, 8), (1, 0, 2, 8), (1, 16, 0, 8), (1, 16, 2, 0)],
+                         ids=["batch0", "seq0", "heads0", "head_dim0"])
+def test_inputs_with_no_element_give_an_empty_output(impl, shape):
+  """An empty batch, sequence, no heads or head_dim 0: an empty output of q's shape and dtype
+  (and empty gradients), with masks and global tokens given, in every implementation and the
+  reference function; the argument checks still run first."""
+  q = jnp.ones(shape, jnp.bfloat16)
+  masks = dict(attention_mask=np.ones(shape[:2], bool), global_mask=np.zeros(shape[:2], bool),
+               global_qkv=(q, q, q))
+
+  def loss(q, k, v):
+    out = ops.longformer_attention(q, k, v, window=2, dilation=2, impl=impl, **masks)
+    assert out.shape == shape and out.dtype == jnp.bfloat16
+    return jnp.sum(out.astype(jnp.float32))
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))(q, q, q)
+  assert [g.shape for g in grads] == [shape] * 3
+  out = ops.longformer_attention_reference(q, q, q, window=2, **masks)
+  assert out.shape == shape and out.dtype == jnp.bfloat16
+  with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 3\)"):
+    ops.longformer_attention(q, q, q, window=2, impl=impl, attention_mask=np.ones((3, 3)))
+
+
+def _compiled_temp_bytes(f, *args) -> int:
+  return jax.jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("impl", EVERY_IMPL)
+@pytest.mark.parametrize("kwargs", [dict(window=2, dilation=(1, 10**6)),
+                                    dict(window=3, dilation=(10**6, 2), causal=True),
+                                    dict(window=2**31 - 1, dilation=2**31 - 1)], ids=str)
+def test_a_dilation_beyond_the_sequence_allocates_by_the_sequence(impl, kwargs):
+  """A head whose dilation is the sequence length or more attends the query alone (its output is
+  v at the query), and no implementation allocates by the raw value: compiled, the whole op's
+  temporaries stay under 16 MiB (before, the Pallas path asked for 86 GB here, and the chunked
+  one 137 GB with dilation 2^31 - 1)."""
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal((2, 16, 2, 8)), jnp.float32) for _ in range(3))
+  mask = np.ones((2, 16), bool)
+  mask[1, 12:] = False
+  run = lambda q, k, v: ops.longformer_attention(q, k, v, attention_mask=mask, impl=impl,
+                                                 **kwargs)
+  assert _compiled_temp_bytes(run, q, k, v) < 16 * 2**20
+  out = run(q, k, v)
+  dilations = kwargs["dilation"] if isinstance(kwargs["dilation"], tuple) else (
+      kwargs["dilation"],) * 2
+  for h, d in enumerate(dilations):
+    if d >= 16:
+      expected = jnp.where(mask[:, :, None], v[:, :, h], 0)
+      np.testing.assert_allclose(out[:, :, h], expected, rtol=1e-6, atol=1e-6)
+  same = dict(kwargs, dilation=tuple(min(d, 16) for d in dilations))
+  np.testing.assert_allclose(out, ops.longformer_attention(q, k, v, attention_mask=mask,
+                                                           impl="reference", **same),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_refuses_dilations_whose_lcm_exceeds_the_sequence_and_auto_falls_back():
+  """The Pallas layout pads the sequence to a multiple of lcm(dilations): 7 and 11 at 16 tokens
+  would pad it to a multiple of block x 77 rows. impl="pallas" refuses them before any work,
+  and "auto" on a kernel platform then takes the chunked path."""
+  q = jnp.ones((1, 16, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"dilation=\(7, 11\).*lcm.*77.*impl='chunked'"):
+    ops.longformer_attention(q, q, q, window=2, dilation=(7, 11), impl="pallas")
+  assert ops.resolve_impl("auto", q, 2, "tpu") == "pallas"
+  assert ops.resolve_impl("auto", q, 2, "tpu", dilation=(7, 11)) == "chunked"
+  assert ops.resolve_impl("auto", q, 2, "tpu", dilation=(10**6, 16)) == "pallas"  # capped: 16
+
+
+@pytest.mark.parametrize("impl", EVERY_IMPL + ["auto"])
+def test_mixed_input_dtypes_are_one_type_error_in_every_impl(impl):
+  """q, k, v and the global projections share one floating dtype, whatever the implementation
+  (before, chunked and reference took q float32 with k bfloat16 and Pallas refused it, so
+  impl="auto" took it on a CPU and not on a GPU or TPU)."""
+  q = jnp.ones((1, 16, 2, 8), jnp.float32)
+  half = q.astype(jnp.bfloat16)
+  with pytest.raises(TypeError, match="k has dtype bfloat16 and q float32.*one floating dtype"):
+    ops.longformer_attention(q, half, q, window=2, impl=impl)
+  with pytest.raises(TypeError, match="global_qkv v_g has dtype bfloat16 and q float32"):
+    ops.longformer_attention(q, q, q, window=2, impl=impl, global_mask=np.eye(1, 16),
+                             global_qkv=(q, q, half))
+  with pytest.raises(TypeError, match="k has dtype bfloat16 and q float32"):
+    ops.longformer_attention_reference(q, half, q, window=2)
+
+
+@pytest.mark.parametrize("impl", EVERY_IMPL)
+def test_a_python_list_is_a_short_type_error_naming_the_argument(impl):
+  """Before, jax's own TypeError printed the whole list."""
+  q = jnp.ones((1, 16, 2, 8))
+  big = np.ones((1, 16, 2, 8)).tolist()
+  for args, name in (((big, q, q), "q"), ((q, q, big), "v")):
+    with pytest.raises(TypeError, match=rf"^{name} is a list; expected an array") as error:
+      ops.longformer_attention(*args, window=2, impl=impl)
+    assert len(str(error.value)) < 120
+  with pytest.raises(TypeError, match=r"^global_qkv k_g is a list; expected an array"):
+    ops.longformer_attention(q, q, q, window=2, impl=impl, global_mask=np.eye(1, 16),
+                             global_qkv=(q, big, q))
+
+
 @pytest.mark.kernels
 @pytest.mark.slow
 class TestPallas(TestChunked):
@@ -406,7 +511,7 @@ class TestPallas(TestChunked):
 
   `longformer_attention(impl="pallas")` offers no switch between the compiled kernel and Pallas
   interpret mode: it runs the kernel compiled on GPU/TPU and interpreted on CPU, as
-  `jax.default_backend()` dictates (longformer_jax/ops/attention.py). So, unlike
+  `jax.default_backend()` dictates (longformer_jax/ops/dispatch.py). So, unlike
   tests/test_band_pallas.py, there is one class, which runs wherever the op runs: on CPU the
   Triton-style kernel in interpret mode, forward and gradients, float32 and 16-bit, with the same
   tolerances as the chunked path."""

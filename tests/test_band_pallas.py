@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from longformer_jax.ops import attention as attention_ops
+from longformer_jax.ops import compose, global_tokens
 from longformer_jax.ops.band_pallas import (BlockSizes, band_attention_pallas, check_supported,
                                             pallas_supported)
 from longformer_jax.ops.band_reference import (EMPTY_LSE, band_attention_reference,
@@ -318,9 +318,9 @@ class TestTpuBandInterpret(TestTpuBand):
                                                       (256, 2, jnp.bfloat16)])
   def test_global_rows_kernel(self, seq, num_global, dtype):
     """The global rows' TPU kernel (`band_mosaic.global_rows`: 3 key blocks of 128 at 384, one
-    of 256) against the XLA pass of the op (`_global_rows_dense`, on inputs zeroed at masked
-    keys), out and the gradients of the rows, k_g and v_g; NaN at masked keys (and a row of the
-    batch with no key at all) reaches nothing."""
+    of 256) against the XLA pass of the op (`global_tokens.global_rows_dense`, on inputs zeroed
+    at masked keys), out and the gradients of the rows, k_g and v_g; NaN at masked keys (and a
+    row of the batch with no key at all) reaches nothing."""
     from longformer_jax.ops import band_mosaic
     batch, heads, head_dim = 2, 3, 64
     rng, q, k, v, mask = _global_rows_inputs(seq, num_global, batch, heads, head_dim, dtype,
@@ -333,7 +333,7 @@ class TestTpuBandInterpret(TestTpuBand):
 
     def reference(q, k, v):
       flat = lambda x: jnp.where(keep, x, 0).reshape(batch, seq, heads * head_dim)
-      return attention_ops._global_rows_dense(q, flat(k), flat(v), mask)
+      return global_tokens.global_rows_dense(q, flat(k), flat(v), mask)
 
     out, kernel_vjp = jax.vjp(kernel, q, k, v)
     out_ref, reference_vjp = jax.vjp(reference, q, k, v)
@@ -472,7 +472,7 @@ def test_dilation_and_globals_copy_nothing_on_gpu(with_globals):
                              block_sizes=BlockSizes.for_device("NVIDIA H200"))
 
   def loss(*qkv):
-    out = attention_ops._compose(
+    out = compose.compose(
         kernel, *qkv[:3], attention_mask, global_mask if with_globals else None,
         qkv[3:] if with_globals else None, window=256, dilations=dilations, causal=False,
         num_global=1, fused=True)

@@ -215,8 +215,7 @@ else:
     reference, forward and the gradients of q, k, v and the global projections. 2 shards of 128
     (whole key blocks of the rows kernel), global tokens in both shards and none in one row,
     padding, dilation 2 on half the heads (reach 2 * 40 into the neighbour)."""
-    from longformer_jax.ops import attention as attention_ops
-    from longformer_jax.ops import band_mosaic
+    from longformer_jax.ops import band_mosaic, sequence_parallel, sharded
     from longformer_jax.ops.band_pallas import band_attention_pallas
     from testing import assert_close, tolerance
     batch, seq, heads, head_dim, window, dilations = 2, 256, 4, 64, 40, (1, 1, 2, 2)
@@ -232,15 +231,14 @@ else:
     num_global = 4
     kernel = functools.partial(band_attention_pallas, interpret=True, backend="tpu")
     compose = functools.partial(
-        attention_ops._compose_sequence_shard, kernel, window=window, dilations=dilations,
+        sequence_parallel.compose_sequence_shard, kernel, window=window, dilations=dilations,
         causal=False, num_global=num_global, axis_name="seq", num_shards=2, fused=True,
         rows_kernel=functools.partial(band_mosaic.global_rows_lse, interpret=True))
     cotangent = jnp.asarray(rng.standard_normal((batch, seq, heads, head_dim)), jnp.float32)
 
     def split(q, k, v, q_g, k_g, v_g):
-      return attention_ops._on_mesh(compose, mesh, ("data", "seq"), ("data",), "seq", (), q, k,
-                                    v, attention_mask, global_mask, (q_g, k_g, v_g),
-                                    check_vma=False)
+      return sharded.on_mesh(compose, mesh, ("data", "seq"), ("data",), "seq", (), q, k, v,
+                             attention_mask, global_mask, (q_g, k_g, v_g), check_vma=False)
 
     def reference(q, k, v, q_g, k_g, v_g):  # float32 from the same (rounded) inputs
       f32 = lambda x: x.astype(jnp.float32)

@@ -1,7 +1,13 @@
 """Pure functions: Longformer attention and the band kernels behind it.
 
 Each fast path sits beside its plainly-correct reference:
-  attention.py       `longformer_attention`, the public op (validation + composition)
+  attention.py       `longformer_attention`, the public op: validates, then one call per concern
+  validation.py      its argument checks
+  dispatch.py        implementation and platform choice, the band kernel of each
+  compose.py         the composition around a band kernel on whole sequences
+  global_tokens.py   global slots, the log-sum-exp merge, the dense pass of the global rows
+  sharded.py         the op on a mesh: mesh layouts and its own shard_map
+  sequence_parallel.py  the composition of one shard of a split sequence, and its collectives
   reference.py       dense reference of the whole op
   band_reference.py  dense reference of the band-kernel contract
   band_chunked.py    blocked-einsum band kernel
@@ -10,7 +16,6 @@ Each fast path sits beside its plainly-correct reference:
   band_blocks.py     their shared block arithmetic (BlockSizes, band geometry, support checks)
   band_triton.py     Triton (GPU) kernels
   band_mosaic.py     Mosaic (TPU) kernels
-  sequence_parallel.py  collectives of the op with the sequence split over a mesh axis
 
 The shape alphabet, declared here once for the whole package (docs/design.md §4 points here).
 A tensor whose shape matters is named with its shape as a suffix, one capital letter per axis

@@ -1,18 +1,19 @@
 """Block arithmetic of the Pallas band kernels, shared by the Triton (`band_triton.py`) and
 Mosaic TPU (`band_mosaic.py`) kernels and their dispatch (`band_pallas.py`); imports no kernel.
 
-What is here: `BlockSizes` (tile sizes per device kind, shrunk to fit a GPU's shared memory),
-the support checks (`check_supported`, `pallas_supported`) and native head dims, the band
-geometry (`k_block_range`, `q_block_range`, `max_band_blocks`, `band_keep`: which key blocks a
-query block's band meets and the reverse), `head_runs` (heads grouped by dilation), the TPU
-lane grouping (`head_group`, `fit_blocks`), `out_struct` (kernel outputs inside `shard_map`),
-and `BandConfig`, the static configuration both kernel families are called with.
+What is here: `BlockSizes` (tile sizes per device kind, shrunk to fit a GPU's shared memory), the
+support checks (`check_supported`, `check_dilations`, `pallas_supported`) and native head dims, the
+band geometry (`k_block_range`, `q_block_range`, `max_band_blocks`, `band_keep`: which key blocks a
+query block's band meets and the reverse), `head_runs` (heads grouped by dilation), the TPU lane
+grouping (`head_group`, `fit_blocks`), `out_struct` (kernel outputs inside `shard_map`), and
+`BandConfig`, the static configuration both kernel families are called with.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import numbers
 from typing import Any
 
@@ -182,11 +183,32 @@ def kernel_head_dim(head_dim: int, backend: str) -> int:
   return min(d for d in native_head_dims(backend) if d >= head_dim)
 
 
-def pallas_supported(q_shape, dtype, window, platform: str) -> bool:
+def reachable_dilations(dilations: tuple[int, ...], seq: int) -> tuple[int, ...]:
+  """Each dilation capped at `seq`: with d >= seq a query's band holds only itself (i + d*t lies
+  outside [0, seq) for every t != 0), as with d = seq, so the cap changes no key set; it keeps
+  what the kernels' layout pads (the sequence to a multiple of block * lcm(dilations)) bounded
+  by the sequence rather than by the dilation given."""
+  return tuple(min(int(d), max(seq, 1)) for d in dilations)
+
+
+def check_dilations(dilations: tuple[int, ...], seq: int) -> None:
+  """ValueError when the kernels' layout would pad the sequence past block * seq rows: every
+  residue's subsequence must be whole blocks, so the sequence is padded to a multiple of
+  block * lcm(dilations), which distinct large dilations (capped by `reachable_dilations`) can
+  push far beyond the sequence (lcm(4091, 4093) at 4096 tokens: 2^17 times its memory)."""
+  lcm = math.lcm(*reachable_dilations(dilations, seq))
+  if lcm > max(seq, 1):
+    raise ValueError(f"dilation={tuple(dilations)}: the Pallas kernels pad the sequence to a "
+                     f"multiple of block x lcm(dilations) = block x {lcm} rows, more than the "
+                     f"{seq} tokens; use impl='chunked' for these dilations")
+
+
+def pallas_supported(q_shape, dtype, window, platform: str, dilation=1) -> bool:
   """Whether `band_attention_pallas` can take these inputs on `platform`.
 
   platform: 'tpu', 'gpu'/'cuda' (Triton kernel), or 'cpu' (the Triton kernel in interpret mode).
   ROCm is reported unsupported (the kernel is untested there). Use it to fall back, not fail.
+  dilation: an int or one int per head (`check_dilations`).
   """
   if platform == "tpu":
     backend = "tpu"
@@ -196,6 +218,8 @@ def pallas_supported(q_shape, dtype, window, platform: str) -> bool:
     return False
   try:
     check_supported(q_shape, dtype, window, backend)
+    check_dilations((dilation,) if isinstance(dilation, numbers.Integral) else tuple(dilation),
+                    q_shape[1])
   except ValueError:
     return False
   return True

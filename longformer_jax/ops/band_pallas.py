@@ -37,10 +37,10 @@ import numpy as np
 from longformer_jax.ops import band_triton
 from longformer_jax.ops.band_blocks import (BACKENDS, GPU_HEAD_DIMS, MAX_HEAD_DIM,
                                             SUPPORTED_DTYPES, TPU_HEAD_DIMS, BandConfig,
-                                            BlockSizes, check_supported, default_backend,
-                                            fit_blocks, head_group, kernel_head_dim,
-                                            native_head_dims, pallas_supported, tpu_head_order,
-                                            varying_axes)
+                                            BlockSizes, check_dilations, check_supported,
+                                            default_backend, fit_blocks, head_group,
+                                            kernel_head_dim, native_head_dims, pallas_supported,
+                                            reachable_dilations, tpu_head_order, varying_axes)
 
 # Re-exported: callers configure and check the kernels through this module.
 __all__ = ["BACKENDS", "GPU_HEAD_DIMS", "MAX_HEAD_DIM", "SUPPORTED_DTYPES", "TPU_HEAD_DIMS",
@@ -146,6 +146,8 @@ def band_attention_pallas(q, k, v, key_mask, *, window: int, causal: bool, dilat
   if key_mask.shape != (batch, seq):
     raise ValueError(f"key_mask shape {key_mask.shape} != (batch, seq) = {(batch, seq)}")
   dilations = _check_dilation(dilation, heads)
+  check_dilations(dilations, seq)
+  dilations = reachable_dilations(dilations, seq)  # the same key sets (see there)
   if global_kv is not None:
     _check_global_kv(global_kv, q)
   # The global key tile's rows: tl.dot needs >= 16; Mosaic tiles take multiples of 8 sublanes.

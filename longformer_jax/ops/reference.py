@@ -21,7 +21,10 @@ def dilated_band_mask(seq: int, window: int, dilations, causal: bool) -> jax.Arr
   Bidirectional: j = i + d*t for t in -w..w; causal: j = i - d*t for t in 0..w (paper §3.1,
   allenai's index formula i + D[h]*(k - w)).
   """
-  d_Hx1x1 = jnp.asarray(dilations, jnp.int32)[:, None, None]
+  # Capped at the sequence, which changes no key set (a step of seq or more leaves it) and keeps
+  # both in int32.
+  window = min(window, seq)
+  d_Hx1x1 = jnp.asarray([min(d, max(seq, 1)) for d in dilations], jnp.int32)[:, None, None]
   delta_NxN = jnp.arange(seq)[:, None] - jnp.arange(seq)[None, :]  # i - j
   on_lattice = delta_NxN % d_Hx1x1 == 0
   steps = delta_NxN // d_Hx1x1
@@ -42,6 +45,10 @@ def longformer_attention_reference(q, k, v, *, window: int, dilation=1, causal: 
   dilations, attention_mask, global_mask, global_qkv, num_global = validate_attention_args(
       q, k, v, window=window, dilation=dilation, causal=causal, attention_mask=attention_mask,
       global_mask=global_mask, global_qkv=global_qkv, max_global=q.shape[1])
+  batch, seq, heads, _ = q.shape
+  if not batch * seq * heads:  # nothing to attend: empty results, as from the op
+    out = jnp.zeros(q.shape, q.dtype)
+    return (out, jnp.zeros((batch, heads, seq, seq), jnp.float32)) if return_probs else out
   return dense_attention(q, k, v, window=window, dilations=dilations, causal=causal,
                          attention_mask=attention_mask, global_mask=global_mask,
                          global_qkv=global_qkv, num_global=num_global,

@@ -16,8 +16,10 @@ def _is_int(x) -> bool:
 
 def _normalise_dilation(dilation, heads: int) -> tuple[int, ...]:
   if _is_int(dilation):
-    dilation = (int(dilation),) * heads
-  elif isinstance(dilation, (tuple, list)):
+    if dilation < 1:
+      raise ValueError(f"dilation={dilation}: every dilation must be >= 1")
+    return (int(dilation),) * heads
+  if isinstance(dilation, (tuple, list)):
     if len(dilation) != heads:
       raise ValueError(f"dilation={tuple(dilation)} has {len(dilation)} entries; expected one "
                        f"per head ({heads})")
@@ -26,9 +28,32 @@ def _normalise_dilation(dilation, heads: int) -> tuple[int, ...]:
     dilation = tuple(int(d) for d in dilation)
   else:
     raise TypeError(f"dilation={dilation!r}: expected an int or a tuple of {heads} ints")
-  if min(dilation) < 1:
+  if any(d < 1 for d in dilation):
     raise ValueError(f"dilation={dilation}: every dilation must be >= 1")
   return dilation
+
+
+def check_arrays(**named) -> None:
+  """TypeError naming the argument and its type when one is not an array (a Python list, a
+  scalar): without it the error came from deep inside jax and printed the whole value."""
+  for name, x in named.items():
+    if not all(hasattr(x, a) for a in ("shape", "dtype", "ndim")):
+      raise TypeError(f"{name} is a {type(x).__name__}; expected an "
+                      "array [batch, seq, heads, head_dim] (a jax.Array or a numpy.ndarray)")
+
+
+def _check_dtypes(named_arrays) -> None:
+  """One rule for every implementation: q, k, v and the global projections share one floating
+  dtype (no implicit promotion: the kernels take one dtype, and a silent cast would change the
+  precision and memory of the caller's choice)."""
+  (first, x0), *rest = named_arrays
+  for name, x in named_arrays:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+  for name, x in rest:
+    if x.dtype != x0.dtype:
+      raise TypeError(f"{name} has dtype {x.dtype} and {first} {x0.dtype}: q, k, v and the "
+                      "global projections must share one floating dtype; cast them to one")
 
 
 def _check_mask(name: str, mask, batch: int, seq: int):
@@ -87,14 +112,13 @@ def validate_attention_args(q, k, v, *, window, dilation, causal, attention_mask
   comes back with num_global 0 and no global_qkv: no global attention runs, and the mask only
   says which rows exceed the bound (the op outputs NaN there).
   """
+  check_arrays(q=q, k=k, v=v)
   if q.ndim != 4:
     raise ValueError(f"q has shape {q.shape}; expected [batch, seq, heads, head_dim]")
   for name, x in (("k", k), ("v", v)):
     if x.shape != q.shape:
       raise ValueError(f"{name} has shape {x.shape}; expected the shape of q, {q.shape}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise TypeError(f"{name} has dtype {x.dtype}; expected a floating dtype")
+  _check_dtypes((("q", q), ("k", k), ("v", v)))
   if not _is_int(window):
     raise TypeError(f"window={window!r}: expected an int (one-sided window)")
   if window < 1:
@@ -141,8 +165,11 @@ def validate_attention_args(q, k, v, *, window, dilation, causal, attention_mask
     if not isinstance(global_qkv, (tuple, list)) or len(global_qkv) != 3:
       raise ValueError(f"global_qkv must be a tuple (q_g, k_g, v_g); got {type(global_qkv)}")
     for name, x in zip(("q_g", "k_g", "v_g"), global_qkv):
+      check_arrays(**{f"global_qkv {name}": x})
       if x.shape != q.shape:
         raise ValueError(f"global_qkv {name} has shape {x.shape}; expected {q.shape}")
+    _check_dtypes((("q", q),) + tuple(zip(("global_qkv q_g", "global_qkv k_g", "global_qkv v_g"),
+                                          global_qkv)))
   else:
     global_qkv = None
   return dilation, attention_mask, global_mask, tuple(global_qkv or ()) or None, num_global
