@@ -174,8 +174,8 @@ class TransformerConfig(_FrozenConfig):
       heads = _per_layer(d, self.num_attention_heads, f"attention_dilation of layer {layer}")
       for h in heads:
         if not isinstance(h, int) or isinstance(h, bool) or not 1 <= h <= MAX_POSITIONS:
-          raise ValueError(f"attention_dilation of layer {layer} must hold ints in [1, "
-                           f"{MAX_POSITIONS}], got {d!r}")
+          raise ValueError(f"attention_dilation of layer {layer} must hold ints >= 1 (at most "
+                           f"{MAX_POSITIONS}), got {d!r}")
       dilations.append(heads)
     return tuple(dilations)
 
@@ -473,8 +473,8 @@ def check_windows(windows: Sequence[int], num_layers: int) -> tuple[int, ...]:
                      f"{windows}")
   for layer, w in enumerate(windows):
     if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_POSITIONS:
-      raise ValueError(f"attention_window of layer {layer} must be an int in [1, "
-                       f"{MAX_POSITIONS}] (one-sided), got {w!r}")
+      raise ValueError(f"attention_window of layer {layer} must be an int >= 1 (one-sided, at "
+                       f"most {MAX_POSITIONS}), got {w!r}")
   return windows
 
 

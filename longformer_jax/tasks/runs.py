@@ -84,7 +84,7 @@ def load_model(path: str, step: int | None = None):
   from longformer_jax.training import config_from_record, make_mesh
   from longformer_jax.training.config import RUN_CONFIG, read_run_record
   info = {"source": os.fspath(path)}
-  if os.path.isfile(os.path.join(path, RUN_CONFIG)):
+  if os.path.lexists(os.path.join(path, RUN_CONFIG)):  # a FIFO is refused, not skipped
     record = read_run_record(path)
     cfg = config_from_record(record, f"{path}/{RUN_CONFIG}")
     if isinstance(cfg.model, CharLMConfig):
@@ -99,7 +99,7 @@ def load_model(path: str, step: int | None = None):
   if step is not None:
     raise ValueError(f"--step {step}: {path} is not a training workdir (no {RUN_CONFIG}), so it "
                      f"holds one model, not checkpoints by step")
-  if not os.path.isfile(os.path.join(path, checkpoint.MODEL_JSON)):
+  if not os.path.lexists(os.path.join(path, checkpoint.MODEL_JSON)):
     raise FileNotFoundError(f"{path} holds no {RUN_CONFIG} (training workdir) or "
                             f"{checkpoint.MODEL_JSON} (model checkpoint)")
   return checkpoint.load_model(path), {**info, "kind": "checkpoint"}
