@@ -522,10 +522,8 @@ def _check_model_meta(meta: Any, where: str) -> dict[str, Any]:
       raise ValueError(f"{where}: init_kwargs.{name}={value!r} must be a "
                        f"{kwarg_types[name].__name__}")
   sums = meta["checksums"]
-  params = sums.get("params") if isinstance(sums, dict) else None
-  if not (isinstance(sums, dict) and set(sums) == {"params"} and isinstance(params, dict)
-          and all(isinstance(k, str) and isinstance(v, str) and len(v) == 16
-                  and all(c in "0123456789abcdef" for c in v) for k, v in params.items())):
+  if not (isinstance(sums, dict) and set(sums) == {"params"}
+          and _is_checksum_table(sums["params"])):
     raise ValueError(f"{where}: checksums must be {{\"params\": {{array name: 16 hex digits}}}}")
   return meta
 
@@ -746,10 +744,19 @@ def read_meta(path: str | os.PathLike, step: int) -> dict[str, Any]:
   record = _read(what, lambda: ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
       directory / str(step) / "meta"))
   meta = _unseal(record, what)
-  if meta.get("step") != step or not all(item in meta.get("checksums", {}) for item in _ITEMS):
+  sums = meta.get("checksums")
+  if (meta.get("step") != step or not isinstance(sums, dict)
+      or not all(_is_checksum_table(sums.get(item)) for item in _ITEMS)):
     raise DamagedCheckpointError(f"{what}: names step {meta.get('step')!r} or lacks the "
                                  "checksums of its arrays")
   return meta
+
+
+def _is_checksum_table(table: Any) -> bool:
+  """Whether `table` is {array name: 16 hex digits}, as `checksums` writes it."""
+  return isinstance(table, dict) and all(
+      isinstance(k, str) and isinstance(v, str) and len(v) == 16
+      and all(c in "0123456789abcdef" for c in v) for k, v in table.items())
 
 
 def restore_train_state(path: str | os.PathLike, abstract_params: Any, abstract_opt_state: Any,
