@@ -358,18 +358,27 @@ class _Source:
     return self.files.get("", self.config)
 
 
+def _hub_repo_folder(path: str) -> str | None:
+  """The HF cache's folder of the repo whose snapshot `path` is (`<cache>/models--org--name/
+  snapshots/<revision>`, whose files link into the repo's `blobs/`), else None: the files of a
+  snapshot may lead into its repo's folder, nowhere else."""
+  snapshots = os.path.dirname(os.path.abspath(path))
+  repo = os.path.dirname(snapshots)
+  if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(
+      "models--"):
+    return repo
+  return None
+
+
 def _read(source, revision: str | None = None, cache_dir=None
           ) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None, _Source]:
   """(HF config dict, weights by HF name (floating ones float32), architecture name or None,
   where they came from)."""
   if isinstance(source, (str, os.PathLike)):
     path = os.fspath(source)
-    root = None
     if isinstance(source, str) and not os.path.isdir(path):
       path = _hub_snapshot(source, revision, cache_dir)
-      # <cache>/models--org--name/snapshots/<revision>: its files link into ../../blobs.
-      root = os.path.dirname(os.path.dirname(path))
-    config, weights, files = _read_dir(path, root)
+    config, weights, files = _read_dir(path, _hub_repo_folder(path))
     config_file = os.path.join(path, "config.json")
     archs = config.get("architectures") or [None]
     if not (isinstance(archs, list) and all(a is None or isinstance(a, str) for a in archs)):

@@ -510,3 +510,21 @@ def test_export_workdir_with_a_gadget_model_json(saved_model, tmp_path):
   assert "model_class=" in proc.stderr and "Traceback" not in proc.stderr
   assert "--config" not in proc.stderr
   assert not marker.exists() and not (tmp_path / "a.zip").exists()
+
+
+def test_an_hf_cache_snapshot_may_link_into_its_own_repo_only(hf_dir, tmp_path):
+  """A snapshot of the HF cache (`snapshot_download`'s directory) links its files into the repo's
+  blobs/: those load, given by path; a link out of the repo's folder is refused."""
+  repo = tmp_path / "hub" / "models--org--tiny"
+  snapshot = repo / "snapshots" / "abc"
+  (repo / "blobs").mkdir(parents=True)
+  snapshot.mkdir(parents=True)
+  for name in ("config.json", "model.safetensors"):
+    shutil.copy(hf_dir / name, repo / "blobs" / name)
+    os.symlink(f"../../blobs/{name}", snapshot / name)
+  reference = _params(_load(hf_dir))
+  assert all(np.array_equal(v, reference[k]) for k, v in _params(_load(snapshot)).items())
+  os.unlink(snapshot / "model.safetensors")
+  os.symlink(hf_dir / "model.safetensors", snapshot / "model.safetensors")
+  with pytest.raises(ValueError, match="leads outside"):
+    _load(snapshot)
