@@ -7,12 +7,18 @@ one, with one deliberate difference: `attention_window` is ONE-SIDED here (a que
 keys on each side), while HF stores the total window. `longformer_jax.convert` halves and
 doubles it at the boundary; nothing else in this package ever sees a total window
 (docs/design.md §3).
+
+Every config checks its fields when it is built, by type and range, before anything is sized
+from them: sizes within the `MAX_*` bounds below, `layer_norm_eps` finite and > 0, probabilities
+in [0, 1). A config read from a file (model.json, an HF config.json, a run record) gets the same
+checks as one written in code (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,7 +57,7 @@ class _FrozenConfig:
       elif isinstance(default, int):
         ok, expected = isinstance(value, int) and not isinstance(value, bool), "an int"
       elif isinstance(default, float):
-        ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
               and math.isfinite(value))
         expected = "a finite number"
       elif isinstance(default, str):
@@ -146,8 +152,6 @@ class TransformerConfig(_FrozenConfig):
     activation(self.hidden_act)  # raises on a name it does not know
     if not 0.0 <= self.hidden_dropout_prob < 1.0:
       raise ValueError(f"hidden_dropout_prob must be in [0, 1), got {self.hidden_dropout_prob}")
-    if not isinstance(self.remat, bool):
-      raise ValueError(f"remat={self.remat!r} must be true or false")
     if self.attention_impl not in ("auto",) + ops.IMPLS:
       raise ValueError(f"attention_impl={self.attention_impl!r} is not one of "
                        f"{('auto',) + ops.IMPLS}")
@@ -213,8 +217,6 @@ class LongformerConfig(TransformerConfig):
     if not 0.0 <= self.attention_probs_dropout_prob < 1.0:
       raise ValueError(f"attention_probs_dropout_prob must be in [0, 1), got "
                        f"{self.attention_probs_dropout_prob}")
-    if not isinstance(self.causal, bool):
-      raise ValueError(f"causal={self.causal!r} must be true or false")
     for name in ("bos_token_id", "eos_token_id", "sep_token_id"):
       if not 0 <= getattr(self, name) < self.vocab_size:
         raise ValueError(f"{name}={getattr(self, name)} is outside the vocabulary "
@@ -289,8 +291,6 @@ class CharLMConfig(TransformerConfig):
                        f"num_attention_heads={self.num_attention_heads})")
     if self.attention not in _ATTENTIONS:
       raise ValueError(f"attention must be one of {_ATTENTIONS}, got {self.attention!r}")
-    if not isinstance(self.tie_word_embeddings, bool):
-      raise ValueError(f"tie_word_embeddings={self.tie_word_embeddings!r} must be true or false")
     _check_real("rope_base", self.rope_base, above=1)
 
   @classmethod
@@ -381,8 +381,6 @@ class LEDConfig(_FrozenConfig):
                           ("max_decoder_position_embeddings", MAX_POSITIONS)):
       _check_positive_int(name, getattr(self, name), maximum)
     _check_real("init_std", self.init_std, minimum=0)
-    if not isinstance(self.remat, bool):
-      raise ValueError(f"remat={self.remat!r} must be true or false")
     for name in ("encoder_attention_heads", "decoder_attention_heads"):
       if self.d_model % getattr(self, name):
         raise ValueError(f"d_model={self.d_model} is not a multiple of "
@@ -488,7 +486,7 @@ def _check_positive_int(name: str, value, maximum: int | None = None) -> None:
 
 def _check_real(name: str, value, *, minimum: float | None = None,
                 above: float | None = None) -> None:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
     raise ValueError(f"{name} must be a finite number, got {value!r}")
   if minimum is not None and value < minimum:
     raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
@@ -499,7 +497,7 @@ def _check_real(name: str, value, *, minimum: float | None = None,
 def _check_eps(name: str, value) -> None:
   """A LayerNorm epsilon: finite and > 0 (0 divides by zero on a constant input, a negative one
   makes every output NaN)."""
-  if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+  if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
       or value <= 0):
     raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
