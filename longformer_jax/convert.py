@@ -41,7 +41,7 @@ from flax import nnx
 
 from longformer_jax import led, modeling
 from longformer_jax.config import MAX_LAYERS, MAX_POSITIONS, LEDConfig, LongformerConfig
-from longformer_jax.io import inside, open_regular, read_json_object, regular_file
+from longformer_jax.io import inside, links_root, open_regular, read_json_object, regular_file
 from longformer_jax.modeling import LongformerModel
 
 # HF LongformerConfig defaults, for config.json files that leave fields out.
@@ -269,7 +269,7 @@ def _read_dir(path: str, root: str | None = None
               ) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
   """(config dict, weights by HF name, the file each weight came from) of a checkpoint
   directory. Every file is opened only if it is a regular file inside `root` (default: `path`;
-  an HF cache snapshot's files are symlinks into the repo's folder)."""
+  `io.links_root`: an HF cache snapshot's files are symlinks into the repo's folder)."""
   root = root or path
   config_file = os.path.join(path, "config.json")
   if not os.path.lexists(config_file):
@@ -358,18 +358,6 @@ class _Source:
     return self.files.get("", self.config)
 
 
-def _hub_repo_folder(path: str) -> str | None:
-  """The HF cache's folder of the repo whose snapshot `path` is (`<cache>/models--org--name/
-  snapshots/<revision>`, whose files link into the repo's `blobs/`), else None: the files of a
-  snapshot may lead into its repo's folder, nowhere else."""
-  snapshots = os.path.dirname(os.path.abspath(path))
-  repo = os.path.dirname(snapshots)
-  if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(
-      "models--"):
-    return repo
-  return None
-
-
 def _read(source, revision: str | None = None, cache_dir=None
           ) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None, _Source]:
   """(HF config dict, weights by HF name (floating ones float32), architecture name or None,
@@ -378,7 +366,7 @@ def _read(source, revision: str | None = None, cache_dir=None
     path = os.fspath(source)
     if isinstance(source, str) and not os.path.isdir(path):
       path = _hub_snapshot(source, revision, cache_dir)
-    config, weights, files = _read_dir(path, _hub_repo_folder(path))
+    config, weights, files = _read_dir(path, links_root(path))
     config_file = os.path.join(path, "config.json")
     archs = config.get("architectures") or [None]
     if not (isinstance(archs, list) and all(a is None or isinstance(a, str) for a in archs)):

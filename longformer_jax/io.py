@@ -70,6 +70,19 @@ def _check_inside(path: str, directory: str | os.PathLike) -> None:
                      "files must stay inside its directory")
 
 
+def links_root(directory: str | os.PathLike) -> str:
+  """The folder the files of a model `directory` may lead into (by symlinks): the directory
+  itself, or for a snapshot of the HF cache (`<cache>/models--org--name/snapshots/<revision>`,
+  whose files link into the repo's `blobs/`) that repo's folder."""
+  directory = os.path.abspath(os.fspath(directory))
+  snapshots = os.path.dirname(directory)
+  repo = os.path.dirname(snapshots)
+  if os.path.basename(snapshots) == "snapshots" and os.path.basename(repo).startswith(
+      "models--"):
+    return repo
+  return directory
+
+
 def open_regular(path: str | os.PathLike, directory: str | os.PathLike | None = None):
   """`path` opened for binary reading, only if it is a regular file (inside `directory`, when
   given, symlinks followed). A FIFO, a device, a socket or a directory is refused with a
