@@ -3,12 +3,14 @@ verified when read.
 
 Model checkpoints (`save_model` / `load_model`): a directory with `params/` (an Orbax checkpoint
 of the `nnx.Param` state) and `model.json` (the model and config classes, the config's fields and
-the parameters' checksums). No pickle anywhere. Any model in `longformer_jax` can be saved:
+the parameters' checksums). No pickle anywhere. Any model of `MODEL_CLASSES` can be saved:
   * the model has a `config` attribute, a dataclass with `to_dict()`/`from_dict()` (or plain
     JSON-able fields, rebuilt by `ConfigClass(**fields)`);
   * it is built as `ModelClass(config, rngs=nnx.Rngs(seed), **model.init_kwargs)`, where the
     optional `init_kwargs` attribute holds the other constructor arguments as JSON values.
-Only classes inside the `longformer_jax` package are imported when loading.
+Loading builds only the classes of `MODEL_CLASSES` (the library's models and their configs),
+after checking every field of model.json by type and range: a checkpoint is data, and opening
+one runs none of its own code (docs/checkpoints.md).
 
 Train-state checkpoints (`TrainCheckpoints` writes them, `restore_train_state` reads them): an
 Orbax `CheckpointManager` directory (`<workdir>/checkpoints`) with one directory per step, holding
@@ -58,7 +60,7 @@ import numpy as np
 from etils import epath
 from flax import nnx
 
-from longformer_jax.io import atomic_write
+from longformer_jax.io import atomic_write, read_json
 
 
 @contextlib.contextmanager
@@ -84,7 +86,6 @@ with _root_logging_kept():
   import orbax.checkpoint as ocp
 
 _FORMAT_VERSION = 2
-_PACKAGE = "longformer_jax"
 MODEL_JSON = "model.json"
 CHECKPOINTS = "checkpoints"  # the train-state checkpoints' directory inside a workdir
 _ITEMS = ("params", "opt_state")  # the array items of a train state, checksummed in its meta
@@ -434,14 +435,108 @@ def _class_path(cls: type) -> str:
   return f"{cls.__module__}:{cls.__qualname__}"
 
 
+# The classes a model.json may name: nothing else is ever imported or called when a checkpoint
+# is loaded (a model.json is data, whoever wrote it; its seal is a checksum anyone can
+# recompute, not a signature). Model class -> (its config class, the constructor arguments
+# besides config and rngs that model.json may give, with their types). A new model class joins
+# with one line here (or `register_model_class` from a program's own code).
+_LONGFORMER = "longformer_jax.config:LongformerConfig"
+_LED = "longformer_jax.config:LEDConfig"
+MODEL_CLASSES: dict[str, tuple[str, dict[str, type]]] = {
+    "longformer_jax.modeling:LongformerModel": (_LONGFORMER, {"add_pooling_layer": bool}),
+    "longformer_jax.modeling:LongformerForMaskedLM": (_LONGFORMER, {}),
+    "longformer_jax.modeling:LongformerForSequenceClassification": (_LONGFORMER, {}),
+    "longformer_jax.modeling:LongformerForQuestionAnswering": (_LONGFORMER, {}),
+    "longformer_jax.modeling:LongformerForTokenClassification": (_LONGFORMER, {}),
+    "longformer_jax.modeling:LongformerForMultipleChoice": (_LONGFORMER, {}),
+    "longformer_jax.causal_lm:LongformerForCausalLM": ("longformer_jax.config:CharLMConfig", {}),
+    "longformer_jax.led:LEDModel": (_LED, {}),
+    "longformer_jax.led:LEDForConditionalGeneration": (_LED, {}),
+    "longformer_jax.led:LEDForQuestionAnswering": (_LED, {}),
+}
+# Classes registered at run time by `register_model_class` (the program's own objects).
+_REGISTERED: dict[str, type] = {}
+
+
+def register_model_class(model_class: type, config_class: type,
+                         init_kwargs: Mapping[str, type] | None = None) -> None:
+  """Lets `load_model` build `model_class` (with a `config_class` config and the constructor
+  arguments `init_kwargs`, name -> type, that model.json may give) from now on in this
+  program: how code adds a model class to what checkpoints may name. A model.json never can."""
+  for cls in (model_class, config_class):
+    if not isinstance(cls, type):
+      raise TypeError(f"register_model_class takes classes, got {cls!r}")
+  MODEL_CLASSES[_class_path(model_class)] = (_class_path(config_class),
+                                             dict(init_kwargs or {}))
+  _REGISTERED[_class_path(model_class)] = model_class
+  _REGISTERED[_class_path(config_class)] = config_class
+
+
 def _import_class(path: str) -> type:
+  """The class `path` ("module:QualName") of `MODEL_CLASSES`, a model class or the config class
+  of one; ValueError for any other name (the caller has checked it is one)."""
+  if path in _REGISTERED:
+    return _REGISTERED[path]
+  allowed = set(MODEL_CLASSES) | {config for config, _ in MODEL_CLASSES.values()}
+  if path not in allowed:
+    raise ValueError(f"{path!r} is not a model or config class that checkpoints may name")
   module, _, name = path.partition(":")
-  if module != _PACKAGE and not module.startswith(_PACKAGE + "."):
-    raise ValueError(f"checkpoint names class {path!r}, outside the {_PACKAGE} package")
-  obj = importlib.import_module(module)
+  obj = importlib.import_module(module)  # a module of this package, named by the table above
   for part in name.split("."):
     obj = getattr(obj, part)
+  if not isinstance(obj, type) or _class_path(obj) != path:
+    raise ValueError(f"{path!r} does not name a class")  # a stale entry of the table
   return obj
+
+
+def _check_model_meta(meta: Any, where: str) -> dict[str, Any]:
+  """model.json's fields, each checked by type and range before anything is imported or built:
+  ValueError naming `where` (the file) and the field."""
+  expected = {"format_version", "model_class", "config_class", "config", "init_kwargs",
+              "checksums"}
+  if set(meta) != expected:
+    extra, missing = sorted(set(meta) - expected), sorted(expected - set(meta))
+    raise ValueError(f"{where}: not a model checkpoint's record: "
+                     + "; ".join(filter(None, [extra and f"unknown fields {extra}",
+                                               missing and f"missing fields {missing}"])))
+  model_class = meta["model_class"]
+  if not isinstance(model_class, str) or model_class not in MODEL_CLASSES:
+    raise ValueError(f"{where}: model_class={model_class!r} is not one of the model classes "
+                     f"checkpoints may name ({', '.join(sorted(MODEL_CLASSES))})")
+  config_class, kwarg_types = MODEL_CLASSES[model_class]
+  if meta["config_class"] != config_class:
+    raise ValueError(f"{where}: config_class={meta['config_class']!r}; a {model_class} takes "
+                     f"{config_class!r}")
+  if not isinstance(meta["config"], dict):
+    raise ValueError(f"{where}: config must be a JSON object of the config's fields, got "
+                     f"{type(meta['config']).__name__}")
+  kwargs = meta["init_kwargs"]
+  if not isinstance(kwargs, dict):
+    raise ValueError(f"{where}: init_kwargs must be a JSON object, got "
+                     f"{type(kwargs).__name__}")
+  for name, value in kwargs.items():
+    if name not in kwarg_types:
+      raise ValueError(f"{where}: init_kwargs.{name}: a {model_class} takes "
+                       f"{sorted(kwarg_types) or 'none'}")
+    if type(value) is not kwarg_types[name]:
+      raise ValueError(f"{where}: init_kwargs.{name}={value!r} must be a "
+                       f"{kwarg_types[name].__name__}")
+  sums = meta["checksums"]
+  if not (isinstance(sums, dict) and set(sums) == {"params"}
+          and _is_checksum_table(sums["params"])):
+    raise ValueError(f"{where}: checksums must be {{\"params\": {{array name: 16 hex digits}}}}")
+  return meta
+
+
+def _model_classes(meta: dict[str, Any], where: str) -> tuple[type, Any]:
+  """(model class, config) of a checked model.json: the config built and validated (bounds
+  included) before any model is."""
+  model_class = _import_class(meta["model_class"])
+  try:
+    config = _config_from_dict(_import_class(meta["config_class"]), meta["config"])
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: config: {e}") from None
+  return model_class, config
 
 
 def _config_to_dict(config) -> dict:
@@ -466,6 +561,11 @@ def save_model(path: str | os.PathLike, model: nnx.Module, *, force: bool = Fals
   path = _orbax_path(path)
   if not hasattr(model, "config"):
     raise TypeError(f"{type(model).__name__} has no `config` attribute; save_model needs one")
+  if MODEL_CLASSES.get(_class_path(type(model)), ("",))[0] != _class_path(type(model.config)):
+    # What load_model would refuse to build is not written.
+    raise TypeError(f"{_class_path(type(model))} with a {type(model.config).__name__} is not a "
+                    "model class checkpoints may name (checkpoint.MODEL_CLASSES; "
+                    "register_model_class adds one)")
   params = nnx.state(model, nnx.Param)
   meta = _seal({
       "format_version": _FORMAT_VERSION,
@@ -487,24 +587,30 @@ def save_model(path: str | os.PathLike, model: nnx.Module, *, force: bool = Fals
 
 
 def _model_meta(path: epath.Path) -> dict[str, Any]:
+  """The checked fields of `path`'s model.json (`_check_model_meta`); the file is opened only
+  if it is a regular file (`io.read_json`: never a FIFO or a device)."""
   meta_file = path / MODEL_JSON
   if not meta_file.exists():
     raise FileNotFoundError(f"{path} is not a model checkpoint (no {MODEL_JSON})")
-  meta = _read(str(meta_file), lambda: json.loads(meta_file.read_text()))
+  local = "://" not in str(path)
+  meta = read_json(str(meta_file), str(path) if local else None)
+  if not isinstance(meta, dict):
+    raise ValueError(f"{meta_file}: holds {type(meta).__name__}; expected a JSON object")
   if meta.get("format_version") != _FORMAT_VERSION:
     raise ValueError(f"{meta_file}: format_version={meta.get('format_version')!r}, this code "
                      f"reads {_FORMAT_VERSION}")
-  return _unseal(meta, str(meta_file))
+  return _check_model_meta(_unseal(meta, str(meta_file)), str(meta_file))
 
 
 def load_model(path: str | os.PathLike, *, seed: int = 0) -> nnx.Module:
   """The model saved at `path`, with its parameters restored (no initialisation compute).
 
   seed: seeds the model's non-parameter state (dropout streams).
+  Only the classes of `MODEL_CLASSES` are built, and every field of model.json is checked
+  first (docs/checkpoints.md): loading a checkpoint runs no code of its own.
   """
   meta = _model_meta(_orbax_path(path))
-  model_class = _import_class(meta["model_class"])
-  config = _config_from_dict(_import_class(meta["config_class"]), meta["config"])
+  model_class, config = _model_classes(meta, str(_orbax_path(path) / MODEL_JSON))
   kwargs = meta["init_kwargs"]
   return restore_model(lambda: model_class(config, rngs=nnx.Rngs(seed), **kwargs), path)
 
@@ -638,10 +744,19 @@ def read_meta(path: str | os.PathLike, step: int) -> dict[str, Any]:
   record = _read(what, lambda: ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
       directory / str(step) / "meta"))
   meta = _unseal(record, what)
-  if meta.get("step") != step or not all(item in meta.get("checksums", {}) for item in _ITEMS):
+  sums = meta.get("checksums")
+  if (meta.get("step") != step or not isinstance(sums, dict)
+      or not all(_is_checksum_table(sums.get(item)) for item in _ITEMS)):
     raise DamagedCheckpointError(f"{what}: names step {meta.get('step')!r} or lacks the "
                                  "checksums of its arrays")
   return meta
+
+
+def _is_checksum_table(table: Any) -> bool:
+  """Whether `table` is {array name: 16 hex digits}, as `checksums` writes it."""
+  return isinstance(table, dict) and all(
+      isinstance(k, str) and isinstance(v, str) and len(v) == 16
+      and all(c in "0123456789abcdef" for c in v) for k, v in table.items())
 
 
 def restore_train_state(path: str | os.PathLike, abstract_params: Any, abstract_opt_state: Any,

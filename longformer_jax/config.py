@@ -7,11 +7,18 @@ one, with one deliberate difference: `attention_window` is ONE-SIDED here (a que
 keys on each side), while HF stores the total window. `longformer_jax.convert` halves and
 doubles it at the boundary; nothing else in this package ever sees a total window
 (docs/design.md §3).
+
+Every config checks its fields when it is built, by type and range, before anything is sized
+from them: sizes within the `MAX_*` bounds below, `layer_norm_eps` finite and > 0, probabilities
+in [0, 1). A config read from a file (model.json, an HF config.json, a run record) gets the same
+checks as one written in code (docs/checkpoints.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,10 +30,42 @@ from longformer_jax.layers import activation
 
 _IntOrTuple = int | tuple
 
+# Bounds on the sizes a config may ask for, checked before anything is allocated from them (a
+# config read from a file may say num_hidden_layers=10**9). Far above any real model: the
+# largest HF vocabularies hold ~256k tokens, Longformer and LED hold 4k-16k positions.
+MAX_LAYERS = 1024  # per stack (encoder, decoder)
+MAX_HEADS = 1024
+MAX_WIDTH = 1 << 18  # hidden_size / d_model and the feed-forward sizes
+MAX_VOCAB = 1 << 22  # vocab_size, type_vocab_size and token ids
+MAX_POSITIONS = 1 << 22  # position tables, windows and dilations
+MAX_LABELS = 1 << 16  # classes of a classification head
+
 
 class _FrozenConfig:
   """What every frozen dataclass config here shares: canonical field values, `replace`, and JSON
   round trips (`to_dict` / `from_dict`, used by `longformer_jax.checkpoint`)."""
+
+  def _check_types(self) -> None:
+    """Every field of the type of its default, before anything is sized from it: a config read
+    from a file (model.json, an HF config.json, a run record) may hold anything JSON can."""
+    for field in dataclasses.fields(self):
+      value, default = getattr(self, field.name), field.default
+      if field.type == "_IntOrTuple":
+        continue  # an int or one per layer: checked by `layer_windows` / `layer_dilations`
+      if isinstance(default, bool):
+        ok, expected = isinstance(value, bool), "true or false"
+      elif isinstance(default, int):
+        ok, expected = isinstance(value, int) and not isinstance(value, bool), "an int"
+      elif isinstance(default, float):
+        ok = (isinstance(value, numbers.Real) and not isinstance(value, bool)
+              and math.isfinite(value))
+        expected = "a finite number"
+      elif isinstance(default, str):
+        ok, expected = isinstance(value, str), "a string"
+      else:
+        continue  # dtypes: checked by `_canonicalize`
+      if not ok:
+        raise ValueError(f"{field.name}={value!r} must be {expected}")
 
   def _canonicalize(self, sequence_fields: tuple[str, ...]) -> None:
     """Called by `__post_init__`: JSON and HF configs give lists, stored as tuples so the config
@@ -38,10 +77,13 @@ class _FrozenConfig:
         value = tuple(tuple(v) if isinstance(v, list) else v for v in value)
         object.__setattr__(self, name, value)
     for name in ("dtype", "param_dtype"):
+      value = getattr(self, name)
+      if isinstance(value, (dict, list, tuple)):  # jnp.dtype would read a JSON dict or list
+        raise TypeError(f"{name}={value!r} is not a dtype")
       try:
-        object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
-      except TypeError as e:
-        raise TypeError(f"{name}={getattr(self, name)!r} is not a dtype") from e
+        object.__setattr__(self, name, jnp.dtype(value))
+      except (TypeError, ValueError) as e:
+        raise TypeError(f"{name}={value!r} is not a dtype") from e
       if not jnp.issubdtype(getattr(self, name), jnp.floating):
         raise ValueError(f"{name}={getattr(self, name).name} must be a floating dtype "
                          "(float32, bfloat16, float16)")
@@ -58,6 +100,9 @@ class _FrozenConfig:
 
   @classmethod
   def from_dict(cls, d: dict[str, Any]):
+    if not isinstance(d, dict) or not all(isinstance(k, str) for k in d):
+      raise ValueError(f"a {cls.__name__} must be a JSON object of its fields, got "
+                       f"{type(d).__name__}")
     unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
     if unknown:
       raise ValueError(f"unknown {cls.__name__} fields: {unknown}")
@@ -93,9 +138,14 @@ class TransformerConfig(_FrozenConfig):
   remat: bool = False
 
   def __post_init__(self):
-    for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                 "intermediate_size"):
-      _check_positive_int(name, getattr(self, name))
+    self._check_types()
+    for name, maximum in (("vocab_size", MAX_VOCAB), ("hidden_size", MAX_WIDTH),
+                          ("num_hidden_layers", MAX_LAYERS),
+                          ("num_attention_heads", MAX_HEADS),
+                          ("intermediate_size", MAX_WIDTH)):
+      _check_positive_int(name, getattr(self, name), maximum)
+    _check_eps("layer_norm_eps", self.layer_norm_eps)
+    _check_real("initializer_range", self.initializer_range, minimum=0)
     if self.hidden_size % self.num_attention_heads:
       raise ValueError(f"hidden_size={self.hidden_size} is not a multiple of "
                        f"num_attention_heads={self.num_attention_heads}")
@@ -127,8 +177,9 @@ class TransformerConfig(_FrozenConfig):
     for layer, d in enumerate(per_layer):
       heads = _per_layer(d, self.num_attention_heads, f"attention_dilation of layer {layer}")
       for h in heads:
-        if not isinstance(h, int) or isinstance(h, bool) or h < 1:
-          raise ValueError(f"attention_dilation of layer {layer} must hold ints >= 1, got {d!r}")
+        if not isinstance(h, int) or isinstance(h, bool) or not 1 <= h <= MAX_POSITIONS:
+          raise ValueError(f"attention_dilation of layer {layer} must hold ints >= 1 (at most "
+                           f"{MAX_POSITIONS}), got {d!r}")
       dilations.append(heads)
     return tuple(dilations)
 
@@ -160,8 +211,16 @@ class LongformerConfig(TransformerConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    for name in ("max_position_embeddings", "type_vocab_size", "num_labels"):
-      _check_positive_int(name, getattr(self, name))
+    for name, maximum in (("max_position_embeddings", MAX_POSITIONS),
+                          ("type_vocab_size", MAX_VOCAB), ("num_labels", MAX_LABELS)):
+      _check_positive_int(name, getattr(self, name), maximum)
+    if not 0.0 <= self.attention_probs_dropout_prob < 1.0:
+      raise ValueError(f"attention_probs_dropout_prob must be in [0, 1), got "
+                       f"{self.attention_probs_dropout_prob}")
+    for name in ("bos_token_id", "eos_token_id", "sep_token_id"):
+      if not 0 <= getattr(self, name) < self.vocab_size:
+        raise ValueError(f"{name}={getattr(self, name)} is outside the vocabulary "
+                         f"(vocab_size={self.vocab_size})")
     if self.global_projections not in GLOBAL_PROJECTIONS:
       raise ValueError(f"global_projections must be one of {GLOBAL_PROJECTIONS}, got "
                        f"{self.global_projections!r}")
@@ -232,6 +291,7 @@ class CharLMConfig(TransformerConfig):
                        f"num_attention_heads={self.num_attention_heads})")
     if self.attention not in _ATTENTIONS:
       raise ValueError(f"attention must be one of {_ATTENTIONS}, got {self.attention!r}")
+    _check_real("rope_base", self.rope_base, above=1)
 
   @classmethod
   def tiny(cls, **changes) -> CharLMConfig:
@@ -311,11 +371,16 @@ class LEDConfig(_FrozenConfig):
   remat: bool = False
 
   def __post_init__(self):
-    for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers",
-                 "encoder_attention_heads", "decoder_attention_heads", "encoder_ffn_dim",
-                 "decoder_ffn_dim", "max_encoder_position_embeddings",
-                 "max_decoder_position_embeddings"):
-      _check_positive_int(name, getattr(self, name))
+    self._check_types()
+    for name, maximum in (("vocab_size", MAX_VOCAB), ("d_model", MAX_WIDTH),
+                          ("encoder_layers", MAX_LAYERS), ("decoder_layers", MAX_LAYERS),
+                          ("encoder_attention_heads", MAX_HEADS),
+                          ("decoder_attention_heads", MAX_HEADS),
+                          ("encoder_ffn_dim", MAX_WIDTH), ("decoder_ffn_dim", MAX_WIDTH),
+                          ("max_encoder_position_embeddings", MAX_POSITIONS),
+                          ("max_decoder_position_embeddings", MAX_POSITIONS)):
+      _check_positive_int(name, getattr(self, name), maximum)
+    _check_real("init_std", self.init_std, minimum=0)
     for name in ("encoder_attention_heads", "decoder_attention_heads"):
       if self.d_model % getattr(self, name):
         raise ValueError(f"d_model={self.d_model} is not a multiple of "
@@ -405,15 +470,36 @@ def check_windows(windows: Sequence[int], num_layers: int) -> tuple[int, ...]:
     raise ValueError(f"windows need one entry per layer ({num_layers}), got {len(windows)}: "
                      f"{windows}")
   for layer, w in enumerate(windows):
-    if not isinstance(w, int) or isinstance(w, bool) or w < 1:
-      raise ValueError(f"attention_window of layer {layer} must be an int >= 1 (one-sided), "
-                       f"got {w!r}")
+    if not isinstance(w, int) or isinstance(w, bool) or not 1 <= w <= MAX_POSITIONS:
+      raise ValueError(f"attention_window of layer {layer} must be an int >= 1 (one-sided, at "
+                       f"most {MAX_POSITIONS}), got {w!r}")
   return windows
 
 
-def _check_positive_int(name: str, value) -> None:
+def _check_positive_int(name: str, value, maximum: int | None = None) -> None:
+  """An int in [1, maximum], checked before anything is sized from it."""
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
     raise ValueError(f"{name} must be a positive int, got {value!r}")
+  if maximum is not None and value > maximum:
+    raise ValueError(f"{name}={value!r} is over this library's bound of {maximum}")
+
+
+def _check_real(name: str, value, *, minimum: float | None = None,
+                above: float | None = None) -> None:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+    raise ValueError(f"{name} must be a finite number, got {value!r}")
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+  if above is not None and value <= above:
+    raise ValueError(f"{name} must be > {above}, got {value!r}")
+
+
+def _check_eps(name: str, value) -> None:
+  """A LayerNorm epsilon: finite and > 0 (0 divides by zero on a constant input, a negative one
+  makes every output NaN)."""
+  if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+      or value <= 0):
+    raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 def _per_layer(value, n: int, name: str) -> tuple:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import operator
 import os
 import re
@@ -39,8 +40,8 @@ import numpy as np
 from flax import nnx
 
 from longformer_jax import led, modeling
-from longformer_jax.config import LEDConfig, LongformerConfig
-from longformer_jax.io import read_json
+from longformer_jax.config import MAX_LAYERS, MAX_POSITIONS, LEDConfig, LongformerConfig
+from longformer_jax.io import inside, links_root, open_regular, read_json_object, regular_file
 from longformer_jax.modeling import LongformerModel
 
 # HF LongformerConfig defaults, for config.json files that leave fields out.
@@ -185,13 +186,22 @@ def _is_backbone(family: _Family, name: str) -> bool:
   return name.removeprefix(family.prefix).startswith(family.backbone)
 
 
-def _to_ours(name: str, w: np.ndarray, shape: tuple[int, ...], is_kernel: bool) -> np.ndarray:
+def _hf_shape(shape: tuple[int, ...], leaf: str, out_ndim: int, unsqueezed: bool
+              ) -> tuple[int, ...]:
+  """The shape HF stores our parameter `leaf` of `shape` in (`_to_hf`'s output shape)."""
+  if leaf == "kernel":
+    return (math.prod(shape[len(shape) - out_ndim:]), math.prod(shape[:len(shape) - out_ndim]))
+  if leaf == "bias":
+    return (math.prod(shape),)
+  return (1,) + tuple(shape) if unsqueezed else tuple(shape)
+
+
+def _to_ours(w: np.ndarray, shape: tuple[int, ...], is_kernel: bool) -> np.ndarray:
   # torch Linear.weight is [out, in]; our kernels are [in..., out...] (heads split out), so
-  # they are transposed. Embedding tables are [rows, hidden] on both sides.
+  # they are transposed. Embedding tables are [rows, hidden] on both sides. The caller has
+  # checked that `w` has exactly HF's shape for `shape` (`_hf_shape`).
   if is_kernel:
     w = w.T
-  if w.size != int(np.prod(shape)):
-    raise ValueError(f"weight {name} has shape {w.shape}; the model expects {shape}")
   return w.reshape(shape)
 
 
@@ -211,46 +221,89 @@ def _to_hf(w: np.ndarray, leaf: str, out_ndim: int) -> np.ndarray:
 
 
 def _torch_to_numpy(state_dict) -> dict[str, np.ndarray]:
-  return {k: v.detach().cpu().float().numpy() for k, v in state_dict.items()
-          if v.is_floating_point()}
+  """Floating tensors (float16 and bfloat16 included) as float32, as HF loads them into a
+  float32 model; other tensors (buffers such as position_ids) as they are, so that a weight
+  stored as integers is named, not silently missing."""
+  return {k: v.detach().cpu().float().numpy() if v.is_floating_point() else v.detach().cpu().numpy()
+          for k, v in state_dict.items()}
 
 
-def _read_dir(path: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _as_float32(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  """Floating arrays of any width (float16, bfloat16, float64) converted to float32, exactly
+  where float32 holds the value (the model's own dtype is applied when it is built); others
+  kept as they are (`_build` refuses one that is a weight)."""
+  return {k: np.asarray(v, np.float32) if jnp.issubdtype(v.dtype, jnp.floating) else v
+          for k, v in weights.items()}
+
+
+def _read_safetensors(file: str, root: str) -> dict[str, np.ndarray]:
+  """The tensors of one safetensors file, opened only if it is a regular file inside `root`.
+  safetensors' own numpy loader has no bfloat16; `safe_open` reads it through ml_dtypes."""
+  from safetensors import safe_open
+  file = regular_file(file, root)
+  try:
+    with safe_open(file, framework="numpy") as f:
+      return {name: f.get_tensor(name) for name in f.keys()}
+  except Exception as e:  # safetensors' SafetensorError (truncated, not safetensors), OSError
+    raise ValueError(f"{file} is not a readable safetensors file (truncated or damaged?): "
+                     f"{e}") from None
+
+
+def _shard_files(index: str, path: str, root: str) -> list[str]:
+  """The weight files a sharded checkpoint's index names: each a plain relative name inside
+  the checkpoint's directory (never an absolute path, `..`, or a symlink out of it)."""
+  weight_map = read_json_object(index, root).get("weight_map")
+  if not isinstance(weight_map, dict) or not weight_map:
+    raise ValueError(f"{index}: weight_map must be a JSON object of weight name -> file name, "
+                     f"got {type(weight_map).__name__ if weight_map is not None else 'none'}")
+  files = set()
+  for name, file in weight_map.items():
+    try:
+      files.add(inside(file, path))
+    except ValueError as e:
+      raise ValueError(f"{index}: weight_map[{name!r}]: {e}") from None
+  return sorted(files)
+
+
+def _read_dir(path: str, root: str | None = None
+              ) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str]]:
+  """(config dict, weights by HF name, the file each weight came from) of a checkpoint
+  directory. Every file is opened only if it is a regular file inside `root` (default: `path`;
+  `io.links_root`: an HF cache snapshot's files are symlinks into the repo's folder)."""
+  root = root or path
   config_file = os.path.join(path, "config.json")
-  if not os.path.isfile(config_file):
+  if not os.path.lexists(config_file):
     raise FileNotFoundError(f"{path!r} has no config.json; expected an HF model directory")
-  config = read_json(config_file)
+  config = read_json_object(config_file, root)
   single = os.path.join(path, "model.safetensors")
   index = os.path.join(path, "model.safetensors.index.json")
   torch_bin = os.path.join(path, "pytorch_model.bin")
-  if os.path.isfile(single) or os.path.isfile(index):
-    from safetensors.numpy import load_file
-    if os.path.isfile(single):
-      files = [single]
-    else:
-      files = sorted({os.path.join(path, s) for s in read_json(index)["weight_map"].values()})
-    weights = {}
+  weights, origin = {}, {}
+  if os.path.lexists(single) or os.path.lexists(index):
+    files = [single] if os.path.lexists(single) else _shard_files(index, path, root)
     for file in files:
-      try:
-        weights.update(load_file(file))
-      except Exception as e:  # safetensors' SafetensorError (truncated, not safetensors), OSError
-        raise ValueError(f"{file} is not a readable safetensors file (truncated or damaged?): "
-                         f"{e}") from None
-    weights = {k: np.asarray(v, np.float32) for k, v in weights.items()
-               if np.issubdtype(v.dtype, np.floating)}
-  elif os.path.isfile(torch_bin):
+      tensors = _read_safetensors(file, root)
+      weights.update(tensors)
+      origin.update(dict.fromkeys(tensors, file))
+    weights = _as_float32(weights)
+  elif os.path.lexists(torch_bin):
     import pickle
     import torch
     try:
-      state_dict = torch.load(torch_bin, map_location="cpu", weights_only=True)
+      with open_regular(torch_bin, root) as f:
+        state_dict = torch.load(f, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError) as e:
       raise ValueError(f"{torch_bin} is not a readable PyTorch checkpoint (truncated or "
                        f"damaged?): {e}") from None
+    if not isinstance(state_dict, dict):
+      raise ValueError(f"{torch_bin} holds {type(state_dict).__name__}, not a state dict")
     weights = _torch_to_numpy(state_dict)
+    origin = dict.fromkeys(weights, torch_bin)
   else:
     raise FileNotFoundError(f"{path!r} holds neither model.safetensors (or its index) nor "
                             f"pytorch_model.bin")
-  return config, weights
+  origin[""] = path  # what names a weight that has been renamed since
+  return config, weights, origin
 
 
 # What an HF Hub id fetches: the config and the safetensors weights (one file, or shards and their
@@ -291,18 +344,40 @@ def _hub_snapshot(repo_id: str, revision: str | None, cache_dir) -> str:
   return fetch(_HUB_TORCH_FILES)
 
 
-def _read(source, revision: str | None = None,
-          cache_dir=None) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None]:
-  """(HF config dict, float32 weights by HF name, architecture name or None)."""
+@dataclasses.dataclass(frozen=True)
+class _Source:
+  """Where a checkpoint came from, for messages: its config's file and each weight's."""
+  config: str  # "<dir>/config.json", or a description of a model object
+  files: dict[str, str]  # HF weight name -> file ("": the directory)
+
+  def file_of(self, name: str, family: _Family | None = None) -> str:
+    names = [name] + ([name.removeprefix(family.prefix), family.prefix + name] if family else [])
+    for candidate in names:
+      if candidate in self.files:
+        return self.files[candidate]
+    return self.files.get("", self.config)
+
+
+def _read(source, revision: str | None = None, cache_dir=None
+          ) -> tuple[dict[str, Any], dict[str, np.ndarray], str | None, _Source]:
+  """(HF config dict, weights by HF name (floating ones float32), architecture name or None,
+  where they came from)."""
   if isinstance(source, (str, os.PathLike)):
     path = os.fspath(source)
     if isinstance(source, str) and not os.path.isdir(path):
       path = _hub_snapshot(source, revision, cache_dir)
-    config, weights = _read_dir(path)
+    config, weights, files = _read_dir(path, links_root(path))
+    config_file = os.path.join(path, "config.json")
     archs = config.get("architectures") or [None]
-    return config, weights, archs[0]
+    if not (isinstance(archs, list) and all(a is None or isinstance(a, str) for a in archs)):
+      raise ValueError(f"{config_file}: architectures={archs!r} must be a list of class names")
+    model_type = config.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+      raise ValueError(f"{config_file}: model_type={model_type!r} must be a string")
+    return config, weights, archs[0], _Source(config_file, files)
   if hasattr(source, "state_dict") and hasattr(source, "config"):
-    return source.config.to_dict(), _torch_to_numpy(source.state_dict()), type(source).__name__
+    return (source.config.to_dict(), _torch_to_numpy(source.state_dict()),
+            type(source).__name__, _Source(f"the config of {type(source).__name__}", {}))
   raise TypeError(f"expected an HF PyTorch model, a local directory or an HF Hub id, got "
                   f"{type(source)}")
 
@@ -334,35 +409,71 @@ def _infer_led_architecture(weights: dict[str, np.ndarray]) -> str:
 # Configs: the total window halved on the way in and doubled on the way out (docs/design.md §3).
 
 
-def _one_sided_windows(total, num_layers: int) -> int | tuple[int, ...]:
-  """HF's total `attention_window` (an int or one per layer) as our one-sided value(s)."""
-  totals = [total] * num_layers if isinstance(total, int) else list(total)
+def _one_sided_windows(total, num_layers, layers_field: str) -> int | tuple[int, ...]:
+  """HF's total `attention_window` (an int or one per layer) as our one-sided value(s). The
+  layer count is checked first: a list of `num_layers` entries is made from it."""
+  if not isinstance(num_layers, int) or isinstance(num_layers, bool) or not (
+      1 <= num_layers <= MAX_LAYERS):
+    raise ValueError(f"{layers_field}={num_layers!r} must be an int in [1, {MAX_LAYERS}]")
+  is_int = lambda t: isinstance(t, int) and not isinstance(t, bool)
+  if not (is_int(total) or isinstance(total, list) and all(is_int(t) for t in total)):
+    raise ValueError(f"attention_window={total!r} must be an int or a list of ints")
+  totals = [total] * num_layers if is_int(total) else list(total)
   if any(t % 2 for t in totals):
     raise ValueError(f"HF attention_window={total!r} must be even (it is the total window)")
   windows = tuple(t // 2 for t in totals)
   return windows[0] if len(set(windows)) == 1 else windows
 
 
+def _hf_fields(hf_config: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+  """HF's defaults overridden by the config's own values (null: the default)."""
+  return {**defaults, **{k: v for k, v in hf_config.items() if v is not None}}
+
+
 def _longformer_config_from_hf(hf_config: dict[str, Any], **changes) -> LongformerConfig:
-  c = {**_HF_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None}}
-  num_labels = len(c["id2label"]) if c.get("id2label") else c.get("num_labels", 2)
+  c = _hf_fields(hf_config, _HF_DEFAULTS)
+  id2label = c.get("id2label")
+  if id2label is not None and not isinstance(id2label, dict):
+    raise ValueError(f"id2label={id2label!r} must be a JSON object of class id -> name")
+  num_labels = len(id2label) if id2label else c.get("num_labels", 2)
   fields = {k: c[k] for k in _HF_DEFAULTS if k != "attention_window"}
-  fields.update(attention_window=_one_sided_windows(c["attention_window"],
-                                                    c["num_hidden_layers"]),
-                num_labels=num_labels)
+  fields.update(attention_window=_one_sided_windows(
+      c["attention_window"], c["num_hidden_layers"], "num_hidden_layers"), num_labels=num_labels)
   return LongformerConfig(**{**fields, **changes})
 
 
 def _led_config_from_hf(hf_config: dict[str, Any], **changes) -> LEDConfig:
-  c = {**_HF_LED_DEFAULTS, **{k: v for k, v in hf_config.items() if v is not None}}
+  c = _hf_fields(hf_config, _HF_LED_DEFAULTS)
   fields = {k: c[k] for k in _HF_LED_DEFAULTS if k != "attention_window"}
-  fields["attention_window"] = _one_sided_windows(c["attention_window"], c["encoder_layers"])
+  fields["attention_window"] = _one_sided_windows(c["attention_window"], c["encoder_layers"],
+                                                  "encoder_layers")
   return LEDConfig(**{**fields, **changes})
+
+
+def _checked_config(family: _Family, hf_config: dict[str, Any], source: _Source,
+                    changes: dict[str, Any]):
+  """`family.config_from_hf(hf_config, **changes)`, a refusal naming what is wrong: the
+  checkpoint's config file (each value is checked against the config's bounds before anything
+  is allocated) or, when the file alone is fine, the caller's changes."""
+  try:
+    return family.config_from_hf(hf_config, **changes)
+  except (TypeError, ValueError) as e:
+    error = e
+  if changes:
+    try:
+      family.config_from_hf(hf_config)
+    except (TypeError, ValueError):
+      pass
+    else:
+      raise ValueError(f"config changes {sorted(changes)}: {error}") from None
+  raise ValueError(f"{source.config}: {error}") from None
 
 
 def config_from_hf(hf_config: dict[str, Any], **changes) -> LongformerConfig | LEDConfig:
   """Our config from an HF LongformerConfig or LEDConfig dict (by its `model_type`; Longformer
   when it has none), the total window halved to one-sided."""
+  if not isinstance(hf_config, dict):
+    raise ValueError(f"an HF config must be a JSON object, got {type(hf_config).__name__}")
   family = _FAMILIES["led" if hf_config.get("model_type") == "led" else "longformer"]
   return family.config_from_hf(hf_config, **changes)
 
@@ -476,16 +587,20 @@ def _untie(weights: dict[str, np.ndarray], tied: dict[str, str]) -> None:
 
 
 def _build(family: _Family, model_class: type, config, weights: dict[str, np.ndarray],
-           same_task: bool, rngs: nnx.Rngs | None) -> nnx.Module:
-  """Our model with `weights` (HF names) loaded; head parts may be fresh if the task differs."""
+           same_task: bool, rngs: nnx.Rngs | None, source: _Source) -> nnx.Module:
+  """Our model with `weights` (HF names) loaded; head parts may be fresh if the task differs.
+  Every weight must have exactly the shape HF stores the model's parameter in (a transposed
+  or flattened matrix is refused, as transformers refuses it) and a floating dtype."""
   weights = _align_prefix(family, weights, model_class is not family.base)
   _untie(weights, _tied(family, model_class))
   # Multiple choice pools; the bare encoder has a pooler if the checkpoint has one.
   init_kwargs = {}
   if model_class is LongformerModel:
     init_kwargs["add_pooling_layer"] = any(k.startswith("pooler.") for k in weights)
-  model = model_class(config, rngs=rngs or nnx.Rngs(0), **init_kwargs)
-  names = family.param_names(model)
+  # Checked against the abstract model (no memory): a config whose sizes the weights do not
+  # have is refused before anything of its size is allocated.
+  abstract = nnx.eval_shape(lambda: model_class(config, rngs=nnx.Rngs(0), **init_kwargs))
+  names = family.param_names(abstract)
   ignored = {k for k in weights if k.endswith(_BUFFERS)}
   missing = sorted(set(names) - set(weights) - set(family.zero_if_missing))
   unexpected = sorted(set(weights) - set(names) - ignored)
@@ -498,22 +613,38 @@ def _build(family: _Family, model_class: type, config, weights: dict[str, np.nda
   if missing or unexpected:
     raise ValueError(f"checkpoint does not match {model_class.__name__}: missing weights "
                      f"{missing}, unexpected weights {unexpected}")
+  abstract_params = nnx.to_pure_dict(nnx.state(abstract, nnx.Param))
+  for hf_name, path in names.items():
+    if hf_name in fresh or hf_name not in weights:
+      continue
+    parent = functools.reduce(operator.getitem, path[:-1], abstract_params)
+    shape = tuple(parent[path[-1]].shape)
+    out_ndim = len(parent["bias"].shape) if path[-1] == "kernel" else 0
+    expected = _hf_shape(shape, path[-1], out_ndim, hf_name in family.unsqueezed)
+    w = weights[hf_name]
+    if not jnp.issubdtype(w.dtype, jnp.floating):
+      raise ValueError(f"{source.file_of(hf_name, family)}: tensor {hf_name} has dtype "
+                       f"{w.dtype}; a weight must be floating (float32, float16, bfloat16)")
+    if tuple(w.shape) != expected:
+      raise ValueError(f"{source.file_of(hf_name, family)}: tensor {hf_name} has shape "
+                       f"{tuple(w.shape)}; {model_class.__name__} expects {expected}")
   if dropped or fresh:
     warnings.warn(f"{model_class.__name__}: newly initialised {fresh}; unused checkpoint "
                   f"weights {dropped}", stacklevel=4)  # points at the caller of from_hf
 
+  model = model_class(config, rngs=rngs or nnx.Rngs(0), **init_kwargs)
   state = nnx.state(model, nnx.Param)
   params = nnx.to_pure_dict(state)
   for hf_name, path in names.items():
     if hf_name in fresh:
       continue
-    node = params
-    for key in path[:-1]:
-      node = node[key]
+    node = functools.reduce(operator.getitem, path[:-1], params)
     shape = node[path[-1]].shape
-    w = weights[hf_name] if hf_name in weights else np.zeros(shape, np.float32)
-    node[path[-1]] = jnp.asarray(_to_ours(hf_name, w, shape, path[-1] == "kernel"),
-                                 config.param_dtype)
+    if hf_name in weights:
+      w = _to_ours(weights[hf_name], shape, path[-1] == "kernel")
+    else:  # zero_if_missing
+      w = np.zeros(shape, np.float32)
+    node[path[-1]] = jnp.asarray(w, config.param_dtype)
   nnx.replace_by_pure_dict(state, params)
   nnx.update(model, state)
   return model
@@ -542,20 +673,20 @@ def from_hf(source, *, model_class: type | None = None, revision: str | None = N
   or missing/unexpected weights (named); FileNotFoundError, naming it, for a Hub id that cannot
   be fetched (with `HF_HUB_OFFLINE=1`: one that is not in the cache).
   """
-  hf_config, weights, arch = _read(source, revision, cache_dir)
+  hf_config, weights, arch, where = _read(source, revision, cache_dir)
   model_type = hf_config.get("model_type")
-  if model_type not in _FAMILIES:
+  if not isinstance(model_type, str) or model_type not in _FAMILIES:
     hint = {"roberta": "; use roberta_to_longformer", "bart": "; use bart_to_led"}.get(
         model_type, "")
     raise ValueError(f"from_hf converts Longformer and LED checkpoints; got "
                      f"model_type={model_type!r}{hint}")
   return _from_weights(_FAMILIES[model_type], hf_config, weights, arch, model_class, rngs,
-                       config_changes)
+                       config_changes, where)
 
 
 def _from_weights(family: _Family, hf_config: dict[str, Any], weights: dict[str, np.ndarray],
                   arch: str | None, model_class: type | None, rngs: nnx.Rngs | None,
-                  config_changes: dict[str, Any]) -> nnx.Module:
+                  config_changes: dict[str, Any], source: _Source) -> nnx.Module:
   """Shared by from_hf, roberta_to_longformer and bart_to_led, once weights have the family's
   HF names."""
   arch = arch or family.infer_architecture(weights)
@@ -564,8 +695,9 @@ def _from_weights(family: _Family, hf_config: dict[str, Any], weights: dict[str,
   target = model_class or family.classes[arch]
   if target not in family.classes.values():
     raise ValueError(f"model_class={target!r} is not one of {sorted(family.classes)}")
-  config = family.config_from_hf(hf_config, **config_changes)
-  return _build(family, target, config, weights, same_task=target.__name__ == arch, rngs=rngs)
+  config = _checked_config(family, hf_config, source, config_changes)
+  return _build(family, target, config, weights, same_task=target.__name__ == arch, rngs=rngs,
+                source=source)
 
 
 def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
@@ -617,13 +749,31 @@ def _read_short(source, model_type: str, recipe: str, name: str, max_positions: 
                 window: int):
   """`_read` for a recipe that makes a short model long, after checking the source's type and
   the requested sizes."""
-  hf_config, weights, arch = _read(source)
+  for what, value in (("max_positions", max_positions), ("window", window)):
+    if not isinstance(value, int) or isinstance(value, bool) or not (
+        1 <= value <= MAX_POSITIONS):
+      raise ValueError(f"{what}={value!r} must be an int in [1, {MAX_POSITIONS}]")
+  hf_config, weights, arch, where = _read(source)
   if hf_config.get("model_type") != model_type:
     raise ValueError(f"{recipe} converts {name} checkpoints; got "
                      f"model_type={hf_config.get('model_type')!r}")
-  if max_positions < 1 or window < 1:
-    raise ValueError(f"max_positions={max_positions} and window={window} must be >= 1")
-  return hf_config, weights, arch
+  return hf_config, weights, arch, where
+
+
+def _weight(weights: dict[str, np.ndarray], suffix: str, source: _Source, what: str,
+            ndim: int | None = None) -> str:
+  """The name of the one weight ending in `suffix` (a `ndim`-dimensional floating tensor);
+  ValueError naming the checkpoint and what is missing otherwise."""
+  found = [k for k in weights if k.endswith(suffix)]
+  if len(found) != 1:
+    raise ValueError(f"{source.files.get('', source.config)}: "
+                     + (f"no {what} ({suffix})" if not found else
+                        f"{len(found)} tensors end in {suffix}: {found}"))
+  w = weights[found[0]]
+  if ndim is not None and (w.ndim != ndim or not jnp.issubdtype(w.dtype, jnp.floating)):
+    raise ValueError(f"{source.file_of(found[0])}: tensor {found[0]} ({what}) has shape "
+                     f"{w.shape} and dtype {w.dtype}; expected a {ndim}-d floating tensor")
+  return found[0]
 
 
 def _copied_positions(table: np.ndarray, offset: int, rows: int) -> np.ndarray:
@@ -633,13 +783,23 @@ def _copied_positions(table: np.ndarray, offset: int, rows: int) -> np.ndarray:
   return learned[np.arange(rows) % len(learned)]
 
 
-def _copy_local_to_global(weights: dict[str, np.ndarray], query_suffix: str) -> None:
+def _check_offset(table: np.ndarray, offset, name: str, source: _Source) -> None:
+  if not isinstance(offset, int) or isinstance(offset, bool) or not 0 <= offset < len(table):
+    raise ValueError(f"{source.file_of(name)}: the position table {name} has {len(table)} "
+                     f"rows, none of them a learned position after the offset {offset!r}")
+
+
+def _copy_local_to_global(weights: dict[str, np.ndarray], query_suffix: str,
+                          source: _Source) -> None:
   """Every layer's global projections start as copies of its local ones (paper §3.1, §5): the
   keys ending in `query_suffix` (`<layer>.query.weight`) name the layers."""
   for k in [k for k in weights if k.endswith(query_suffix)]:
     for proj in ("query", "key", "value"):
       for leaf in ("weight", "bias"):
         local = k.replace(".query.weight", f".{proj}.{leaf}")
+        if local not in weights:
+          raise ValueError(f"{source.files.get('', source.config)}: no tensor {local} (the "
+                           f"layer of {k} lacks its {proj} {leaf})")
         weights[local.replace(f".{proj}.", f".{proj}_global.")] = weights[local].copy()
 
 
@@ -659,13 +819,19 @@ def roberta_to_longformer(source, max_positions: int = 4096, window: int = 256, 
     window: one-sided attention window of every layer.
     **config_changes: other `LongformerConfig` fields.
   """
-  hf_config, weights, arch = _read_short(source, "roberta", "roberta_to_longformer", "RoBERTa",
-                                         max_positions, window)
-  weights = {("longformer." + k.removeprefix("roberta.")) if k.startswith("roberta.") else k: v
-             for k, v in weights.items()}
-  offset = hf_config.get("pad_token_id", _HF_DEFAULTS["pad_token_id"]) + 1
-  _copy_local_to_global(weights, ".attention.self.query.weight")
-  pos_name = next(k for k in weights if k.endswith("embeddings.position_embeddings.weight"))
+  hf_config, weights, arch, where = _read_short(
+      source, "roberta", "roberta_to_longformer", "RoBERTa", max_positions, window)
+  renamed = {("longformer." + k.removeprefix("roberta.")) if k.startswith("roberta.") else k: k
+             for k in weights}
+  weights = {k: weights[v] for k, v in renamed.items()}
+  where = _Source(where.config, {**where.files, **{
+      k: where.files[v] for k, v in renamed.items() if v in where.files}})
+  pad = hf_config.get("pad_token_id", _HF_DEFAULTS["pad_token_id"])
+  _copy_local_to_global(weights, ".attention.self.query.weight", where)
+  pos_name = _weight(weights, "embeddings.position_embeddings.weight", where,
+                     "position table", ndim=2)
+  offset = pad + 1 if isinstance(pad, int) and not isinstance(pad, bool) else pad
+  _check_offset(weights[pos_name], offset, pos_name, where)
   old = weights[pos_name]
   # Rows below the offset belong to padding (and an unused row 0): kept as they are.
   weights[pos_name] = np.concatenate([old[:offset], _copied_positions(old, offset,
@@ -674,7 +840,7 @@ def roberta_to_longformer(source, max_positions: int = 4096, window: int = 256, 
                      max_position_embeddings=max_positions + offset)
   arch = arch.replace("Roberta", "Longformer") if arch else None
   return _from_weights(_FAMILIES["longformer"], long_config, weights, arch, None, rngs,
-                       config_changes)
+                       config_changes, where)
 
 
 # HF's BartLearnedPositionalEmbedding keeps 2 rows before position 0 (a fairseq legacy); LED's
@@ -706,20 +872,26 @@ def bart_to_led(source, max_positions: int = 16384, window: int = 512, *,
     window: one-sided attention window of every encoder layer.
     **config_changes: other `LEDConfig` fields.
   """
-  hf_config, weights, arch = _read_short(source, "bart", "bart_to_led", "BART", max_positions,
-                                         window)
+  hf_config, weights, arch, where = _read_short(source, "bart", "bart_to_led", "BART",
+                                                max_positions, window)
   if hf_config.get("scale_embedding"):
     raise ValueError("this BART has scale_embedding=True (token embeddings times sqrt(d_model)); "
                      "LED does not scale them, and the table is tied to the LM head")
-  led_weights = {}
+  led_weights, files = {}, {"": where.files.get("", where.config)}
   for k, v in weights.items():
+    original = k
     k = "led." + k.removeprefix("model.") if k.startswith("model.") else k
     k = _BART_ENCODER_ATTENTION.sub(lambda m: f"{m[1]}.{_BART_TO_LED_PROJECTION[m[2]]}.", k)
     led_weights[k] = v
-  _copy_local_to_global(led_weights, ".longformer_self_attn.query.weight")
+    if original in where.files:
+      files[k] = where.files[original]
+  where = _Source(where.config, files)
+  _copy_local_to_global(led_weights, ".longformer_self_attn.query.weight", where)
   table_rows = {}
   for part in ("encoder", "decoder"):
-    name = next(k for k in led_weights if k.endswith(f"{part}.embed_positions.weight"))
+    name = _weight(led_weights, f"{part}.embed_positions.weight", where,
+                   f"{part} position table", ndim=2)
+    _check_offset(led_weights[name], _BART_POSITION_OFFSET, name, where)
     bart_rows = len(led_weights[name]) - _BART_POSITION_OFFSET
     table_rows[part] = max_positions if part == "encoder" else bart_rows
     led_weights[name] = _copied_positions(led_weights[name], _BART_POSITION_OFFSET,
@@ -730,4 +902,4 @@ def bart_to_led(source, max_positions: int = 16384, window: int = 512, *,
                     max_decoder_position_embeddings=table_rows["decoder"])
   arch = arch.replace("Bart", "LED") if arch else None
   return _from_weights(_FAMILIES["led"], led_config, led_weights, arch, None, rngs,
-                       config_changes)
+                       config_changes, where)

@@ -33,6 +33,13 @@ Kernels follow the export platform (`platforms`, default the default backend): e
 custom call with JAX's compatibility guarantee). The Triton GPU kernel has none, so jax.export
 refuses it: for "cuda"/"rocm" (or several platforms at once) "auto" exports the chunked path and
 "pallas" raises ValueError. `write_archive` / `read_archive` keep a set of programs in one file.
+
+An exported program, and so an archive, is code by design: calling it runs its compiled program
+on your devices (custom calls such as the Mosaic kernel included). Unlike a checkpoint (data,
+docs/checkpoints.md), load archives only from people you trust. `read_archive` checks that the
+file is a zip whose manifest.json is JSON naming its programs, reads each from inside the archive
+(nothing is extracted) and has `jax.export.deserialize` check the serialization format and
+version; it does not check what a program computes.
 """
 
 from __future__ import annotations
@@ -395,7 +402,8 @@ def write_archive(path: str | os.PathLike, programs: Mapping[str, jax.export.Exp
 
 
 def read_archive(path: str | os.PathLike) -> tuple[dict[str, jax.export.Exported], dict]:
-  """({entry name: Exported}, manifest) of a `write_archive` file."""
+  """({entry name: Exported}, manifest) of a `write_archive` file: programs, to be loaded only
+  from people you trust (module docstring)."""
   with epath.Path(path).open("rb") as f, zipfile.ZipFile(f) as archive:
     manifest = json.loads(archive.read(ARCHIVE_MANIFEST))
     programs = {entry: jax.export.deserialize(bytearray(archive.read(entry)))

@@ -33,7 +33,14 @@ def run_kind(record: dict) -> str:
     return "charlm"
   if name == "LEDConfig":
     return "seq2seq"
-  return "finetune" if "task" in (record.get("data") or {}) else "mlm"
+  return "finetune" if _task(record) is not None else "mlm"
+
+
+def _task(record: dict) -> str | None:
+  """The fine-tuning task a run record names (None: none, or not a name)."""
+  data = record.get("data")
+  task = data.get("task") if isinstance(data, dict) else None
+  return task if isinstance(task, str) else None
 
 
 def read_run(workdir, kind: str):
@@ -45,7 +52,7 @@ def read_run(workdir, kind: str):
   record = read_run_record(workdir)
   found = run_kind(record)
   if found != kind:
-    names = {"task": (record.get("data") or {}).get("task"), "workdir": os.fspath(workdir)}
+    names = {"task": _task(record), "workdir": os.fspath(workdir)}
     what, origin, command = (text.format(**names) for text in KINDS[found])
     raise ValueError(f"{os.fspath(workdir)} is {what} ({origin}), not {KINDS[kind][0]}; score "
                      f"it with {command}")
@@ -63,8 +70,7 @@ def run_model_class(record: dict, model_config):
     return led.LEDForConditionalGeneration
   if isinstance(model_config, LongformerConfig):
     # A fine-tuning run names its task; an MLM run's model is a masked LM.
-    return TASK_CLASSES.get((record.get("data") or {}).get("task"),
-                            modeling.LongformerForMaskedLM)
+    return TASK_CLASSES.get(_task(record), modeling.LongformerForMaskedLM)
   raise ValueError(f"a run of a {type(model_config).__name__} model cannot be exported")
 
 
@@ -78,7 +84,7 @@ def load_model(path: str, step: int | None = None):
   from longformer_jax.training import config_from_record, make_mesh
   from longformer_jax.training.config import RUN_CONFIG, read_run_record
   info = {"source": os.fspath(path)}
-  if os.path.isfile(os.path.join(path, RUN_CONFIG)):
+  if os.path.lexists(os.path.join(path, RUN_CONFIG)):  # a FIFO is refused, not skipped
     record = read_run_record(path)
     cfg = config_from_record(record, f"{path}/{RUN_CONFIG}")
     if isinstance(cfg.model, CharLMConfig):
@@ -93,7 +99,7 @@ def load_model(path: str, step: int | None = None):
   if step is not None:
     raise ValueError(f"--step {step}: {path} is not a training workdir (no {RUN_CONFIG}), so it "
                      f"holds one model, not checkpoints by step")
-  if not os.path.isfile(os.path.join(path, checkpoint.MODEL_JSON)):
+  if not os.path.lexists(os.path.join(path, checkpoint.MODEL_JSON)):
     raise FileNotFoundError(f"{path} holds no {RUN_CONFIG} (training workdir) or "
                             f"{checkpoint.MODEL_JSON} (model checkpoint)")
   return checkpoint.load_model(path), {**info, "kind": "checkpoint"}

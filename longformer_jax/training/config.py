@@ -17,7 +17,7 @@ from etils import epath
 from longformer_jax import checkpoint
 from longformer_jax import config as model_configs
 from longformer_jax.config import CharLMConfig, check_windows
-from longformer_jax.io import atomic_write, read_json
+from longformer_jax.io import atomic_write, read_json, read_json_object
 from longformer_jax.training.sharding import LOGICAL_RULES, check_mesh_shape
 
 
@@ -294,22 +294,60 @@ def config_record(cfg: TrainConfig) -> dict[str, Any]:
   return json.loads(json.dumps(record))  # tuples as lists: what a JSON file gives back
 
 
+# The model config classes a run record may name (`model_config_class`); nothing else is
+# looked up from a record.
+RECORD_CONFIG_CLASSES = {cls.__name__: cls for cls in (
+    model_configs.LongformerConfig, model_configs.CharLMConfig, model_configs.LEDConfig)}
+
+
 def config_from_record(record: dict[str, Any], where: str = "run record") -> TrainConfig:
-  """The `TrainConfig` of a `config_record` (other keys, e.g. the data fingerprint, ignored)."""
+  """The `TrainConfig` of a `config_record` (other keys, e.g. the data fingerprint, ignored).
+
+  The record is data from a file: its model config class must be one of
+  `RECORD_CONFIG_CLASSES`, and every field is checked by type and range (the configs' and
+  `Stage`'s own checks) before anything is built from it; ValueError naming `where` and the
+  field otherwise."""
+  if not isinstance(record, dict):
+    raise ValueError(f"{where}: a run record must be a JSON object, got "
+                     f"{type(record).__name__}")
   record = dict(record)
   record.pop("data", None)
+  for name in ("model_config_class", "model", "final_eval", "stages"):
+    if name not in record:
+      raise ValueError(f"{where}: not a run record (no {name!r})")
   name = record.pop("model_config_class")
-  config_class = getattr(model_configs, name, None)
-  # Any model config class of longformer_jax.config (TransformerConfig's, LEDConfig).
-  if not (isinstance(config_class, type) and dataclasses.is_dataclass(config_class)
-          and hasattr(config_class, "from_dict")):
-    raise ValueError(f"{where}: model_config_class={name!r} is not a config class of "
-                     "longformer_jax.config")
-  model = config_class.from_dict(record.pop("model"))
+  config_class = RECORD_CONFIG_CLASSES.get(name) if isinstance(name, str) else None
+  if config_class is None:
+    raise ValueError(f"{where}: model_config_class={name!r} is not one of "
+                     f"{sorted(RECORD_CONFIG_CLASSES)}")
+  try:
+    model = config_class.from_dict(record.pop("model"))
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: model: {e}") from None
   final_eval = record.pop("final_eval")
+  if final_eval is not None and not (isinstance(final_eval, dict)
+                                     and all(isinstance(k, str) for k in final_eval)):
+    raise ValueError(f"{where}: final_eval must be a JSON object or null, got {final_eval!r}")
+  stages = record.get("stages")
+  if not (isinstance(stages, list) and all(isinstance(s, dict) for s in stages)):
+    raise ValueError(f"{where}: stages must be a list of JSON objects, got {stages!r}")
+  known = {f.name for f in dataclasses.fields(TrainConfig)} - {"model", "final_eval"}
+  unknown = sorted(set(record) - known)
+  if unknown:
+    raise ValueError(f"{where}: unknown fields {unknown}")
   record = _tuples(record)
-  record["stages"] = tuple(Stage(**s) for s in record["stages"])
-  return TrainConfig(model=model, final_eval=final_eval, **record)
+  try:
+    record["stages"] = tuple(_stage_from_dict(s) for s in record["stages"])
+    return TrainConfig(model=model, final_eval=final_eval, **record)
+  except (TypeError, ValueError) as e:
+    raise ValueError(f"{where}: {e}") from None
+
+
+def _stage_from_dict(fields: dict[str, Any]) -> Stage:
+  unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(Stage)})
+  if unknown:
+    raise ValueError(f"unknown Stage fields {unknown}")
+  return Stage(**fields)
 
 
 def write_run_config(workdir: str | os.PathLike, cfg: TrainConfig | dict[str, Any], *,
@@ -379,7 +417,7 @@ def read_run_record(workdir: str | os.PathLike) -> dict[str, Any]:
   path = epath.Path(workdir) / RUN_CONFIG
   if not path.exists():
     raise FileNotFoundError(f"{path} not found: is {workdir} a training workdir?")
-  record = read_json(path)
+  record = read_json_object(path, None if "://" in str(path) else workdir)
   check_run_record(workdir, record)
   return record
 

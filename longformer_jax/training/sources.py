@@ -22,7 +22,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from longformer_jax.io import read_json
+from longformer_jax.io import links_root, read_json_object
 from longformer_jax.training.config import TrainConfig
 
 __all__ = ["MODEL_PRESETS", "ModelSource", "host_params", "load_source", "open_model_dir",
@@ -87,15 +87,16 @@ def open_model_dir(spec: str | os.PathLike, hf: Mapping[str, Callable[[str], nnx
   spec = os.fspath(spec)
   if not os.path.isdir(spec):
     raise FileNotFoundError(f"{spec} is not a model directory: no such directory")
-  if os.path.isfile(os.path.join(spec, "config.json")):
-    model_type = read_json(os.path.join(spec, "config.json")).get("model_type")
-    if model_type not in hf:
+  if os.path.lexists(os.path.join(spec, "config.json")):  # a FIFO is refused, not skipped
+    model_type = read_json_object(os.path.join(spec, "config.json"),
+                                  links_root(spec)).get("model_type")
+    if not isinstance(model_type, str) or model_type not in hf:
       raise ValueError(f"{spec}/config.json has model_type={model_type!r}; expected one of "
                        f"{sorted(hf)}")
     return f"hf_{model_type}", hf[model_type](spec)
-  if os.path.isfile(os.path.join(spec, checkpoint.MODEL_JSON)):
+  if os.path.lexists(os.path.join(spec, checkpoint.MODEL_JSON)):
     return "checkpoint", checkpoint.load_model(spec)
-  if os.path.isfile(os.path.join(spec, "run_config.json")):
+  if os.path.lexists(os.path.join(spec, "run_config.json")):
     record = read_run_record(spec)
     cfg = config_from_record(record, f"{spec}/run_config.json")
     model_class = workdir_class(record, cfg)
