@@ -228,6 +228,8 @@ def _tfds_documents(spec: str, split: str, data_dir) -> list[str]:
   if name in builders.BUILDERS:  # the project's own: prepared from local files when missing
     builder = builders.prepare(name, data_dir=data_dir)
   else:
+    # Its metadata read as data first: TFDS would import a module its features.json names.
+    builders.check_metadata(Path(data_dir or tfds.core.constants.DATA_DIR) / name)
     builder = tfds.builder(name, data_dir=data_dir)
     if not builder.is_prepared():
       raise FileNotFoundError(f"tfds:{name} is not prepared in {builder.data_dir}: prepare it "
