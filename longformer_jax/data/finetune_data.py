@@ -343,7 +343,9 @@ def check_dense_labels(path: str, line: int, field: str, largest: int, used) -> 
   """A `text.JsonlError` at the largest label (`path`:`line`) when the integer labels `used`
   are not the dense range 0..largest: the head gets largest + 1 classes, and a class no record
   names is a row of the head trained only never to be chosen (a typo, or ids from another label
-  set)."""
+  set). Labels up to 1 pass: a classifier has at least two classes whatever its data names."""
+  if largest < 2:
+    return
   missing = sorted(set(range(largest + 1)) - set(used))
   if missing:
     shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
