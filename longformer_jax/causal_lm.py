@@ -37,6 +37,7 @@ from longformer_jax.attention import LongformerSelfAttention
 from longformer_jax.config import CharLMConfig, check_windows
 from longformer_jax.generation import Band, KVCache
 from longformer_jax.layers import activation, dense, embed, layer_norm, maybe_remat
+from longformer_jax.ops.validation import check_index_values
 
 
 def _fan_in_init(scale: float = 1.0):
@@ -127,8 +128,12 @@ class LongformerForCausalLM(nnx.Module):
   def __call__(self, tokens_BxN: jax.Array, *, windows: Sequence[int] | None = None,
                dropout_key: jax.Array | None = None) -> jax.Array:
     """windows: per-layer one-sided windows for this call (default: the config's).
-    dropout_key: a PRNG key turns dropout on; None (the default) is deterministic."""
-    return self.from_embeddings(self._embed(tokens_BxN), windows=windows,
+    dropout_key: a PRNG key turns dropout on; None (the default) is deterministic.
+
+    tokens: ints in [0, vocab_size). A concrete token outside is a ValueError naming it and its
+    position (here and in `prefill`, `decode_step` and `generate`); under jit it is not checked
+    and its embedding, and so the logits of its row, are NaN (`layers.Embed`)."""
+    return self.from_embeddings(self._embed(tokens_BxN, "tokens"), windows=windows,
                                 dropout_key=dropout_key)
 
   def from_embeddings(self, x_BxNxE: jax.Array, *, windows: Sequence[int] | None = None,
@@ -180,7 +185,7 @@ class LongformerForCausalLM(nnx.Module):
               ) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """The prompt through the ordinary (band) forward: (logits [B, V] of its last position,
     each layer's cache holding its last K positions)."""
-    x_BxPxE, caches = self._embed(tokens_BxP), []
+    x_BxPxE, caches = self._embed(tokens_BxP, "tokens"), []
     for layer, band in zip(self.layers, bands):
       x_BxPxE, cache = layer.prefill(x_BxPxE, band)
       caches.append(cache)
@@ -190,13 +195,18 @@ class LongformerForCausalLM(nnx.Module):
                   bands: Sequence[Band]) -> tuple[jax.Array, tuple[KVCache, ...]]:
     """The token at `position` ([B] ints), every earlier one being in `caches`: (its logits
     [B, V], the caches with it added)."""
-    x_BxE, new_caches = self._embed(token_B), []
+    x_BxE, new_caches = self._embed(token_B, "token"), []
     for layer, cache, band in zip(self.layers, caches, bands):
       x_BxE, cache = layer.decode(x_BxE, cache, position, band)
       new_caches.append(cache)
     return self._logits(x_BxE), tuple(new_caches)
 
-  def _embed(self, tokens: jax.Array) -> jax.Array:
+  def _embed(self, tokens: jax.Array, name: str) -> jax.Array:
+    tokens = jnp.asarray(tokens)
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise TypeError(f"{name} must hold integer byte ids; got dtype {tokens.dtype}")
+    vocab = self.config.vocab_size
+    check_index_values(name, tokens, vocab, f"vocab_size={vocab}")
     return self.embed(tokens.astype(jnp.int32)).astype(jnp.float32)
 
   def _logits(self, x: jax.Array) -> jax.Array:

@@ -35,7 +35,7 @@ import numpy as np
 from flax import nnx
 
 from longformer_jax.layers import rotary
-from longformer_jax.ops.validation import is_traced
+from longformer_jax.ops.validation import check_index_values, is_traced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,9 +222,7 @@ def generate(model, prompt, max_new_tokens: int, *, sampling: SamplingConfig = S
   if prompt.shape[-1] < 1:
     raise ValueError("the prompt must hold at least one token: the model has no start token")
   vocab = model.config.vocab_size
-  if not traced and (prompt.min() < 0 or prompt.max() >= vocab):
-    raise ValueError(f"prompt tokens must be in [0, {vocab}), got values in "
-                     f"[{prompt.min()}, {prompt.max()}]")
+  check_index_values("prompt", prompt, vocab, f"vocab_size={vocab}")
   if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 0:
     raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
   if sampling.top_k is not None and sampling.top_k > vocab:

@@ -146,13 +146,19 @@ class Embed(nnx.Embed):
   as the table's rows."""
 
   def __call__(self, inputs: jax.Array) -> jax.Array:
-    table = self.embedding[...]
-    mesh = explicit_mesh(inputs, table)
-    if mesh is None:
-      return super().__call__(inputs)
+    """Rows of the table for integer ids. An id outside [0, num_embeddings) gives a NaN row,
+    negative ids included (a plain `take` wraps -1 around to the last row, and a one-row table
+    broadcasts whatever the id): the models check concrete ids first and raise
+    (`ops.validation.check_index_values`); under jit this NaN is what is left to say it."""
+    inputs = jnp.asarray(inputs)
     if not jnp.issubdtype(inputs.dtype, jnp.integer):
       raise ValueError(f"Embed takes integer ids, got dtype {inputs.dtype}")
+    table = self.embedding[...]
+    mesh = explicit_mesh(inputs, table)
     (table,) = self.promote_dtype((table,), dtype=self.dtype, inexact=False)
+    inputs = jnp.where(inputs < 0, self.num_embeddings, inputs)  # out of range, not wrapped
+    if mesh is None:
+      return jnp.take(table, inputs, axis=0, mode="fill")  # NaN rows for ids out of range
     # A gather from a table sharded over rows (vocab) or features (embed) has no unique output
     # layout: the rows come out with the ids' sharding and whole features. mode="fill" as
     # `jnp.take`, which the unsharded path uses.

@@ -56,7 +56,7 @@ from longformer_jax.encoder import LongformerLayer
 from longformer_jax.generation import SamplingConfig
 from longformer_jax.layers import activation, dense, embed, layer_norm, logical_axes, maybe_remat
 from longformer_jax.modeling import check_ids
-from longformer_jax.ops.validation import check_mask_values, is_traced
+from longformer_jax.ops.validation import check_index_values, check_mask_values, is_traced
 from longformer_jax.pretrained import HFCheckpointMixin
 
 # torch.nn.LayerNorm's default: HF's LED builds every LayerNorm without an eps argument.
@@ -373,6 +373,7 @@ def _encoder_inputs(config: LEDConfig, input_ids, attention_mask, global_attenti
   None), checked: N fits the encoder's position table, the masks have the ids' shape and, when
   they are concrete, no global token is padding."""
   ids_BxN = check_ids(input_ids, 2, "[batch, seq]")
+  check_index_values("input_ids", ids_BxN, config.vocab_size, f"vocab_size={config.vocab_size}")
   shape = ids_BxN.shape
   if shape[1] > config.max_encoder_position_embeddings:
     raise ValueError(f"input_ids has {shape[1]} tokens; the encoder's position table holds "
@@ -425,6 +426,10 @@ class LEDModel(HFCheckpointMixin, nnx.Module):
       global_attention_mask: [B, N], 1 for tokens with global attention (the paper puts it on
         the first token for summarization); default none. Must not mark padding.
       max_global: static bound on global tokens per row, needed under jit with a global mask.
+
+    Token ids (here and in `decode`) must be in [0, vocab_size): a concrete id outside is a
+    ValueError naming it and its position; under jit it is not checked and its embedding, and
+    so the outputs it reaches, are NaN (`layers.Embed`), as in every model of the library.
     """
     ids_BxN, mask_BxN, global_BxN = _encoder_inputs(self.config, input_ids, attention_mask,
                                                     global_attention_mask)
@@ -478,6 +483,7 @@ class LEDModel(HFCheckpointMixin, nnx.Module):
     """
     c = self.config
     ids_BxT = check_ids(decoder_input_ids, 2, "[batch, decoder_seq]")
+    check_index_values("decoder_input_ids", ids_BxT, c.vocab_size, f"vocab_size={c.vocab_size}")
     batch, num_new = ids_BxT.shape
     if cache is None:
       if encoder_hidden_states is None:

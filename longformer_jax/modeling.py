@@ -31,7 +31,7 @@ from flax import nnx
 from longformer_jax.config import LongformerConfig
 from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
 from longformer_jax.layers import attend, dense, layer_norm, logical_axes, maybe_remat
-from longformer_jax.ops.validation import check_mask_values, is_traced
+from longformer_jax.ops.validation import check_index_values, check_mask_values, is_traced
 from longformer_jax.pretrained import HFCheckpointMixin
 
 
@@ -66,6 +66,18 @@ def check_ids(input_ids, ndim: int, what: str) -> jax.Array:
   if ids.ndim != ndim:
     raise ValueError(f"input_ids must have shape {what}; got shape {ids.shape}")
   return ids
+
+
+def check_model_ids(config: LongformerConfig, input_ids, token_type_ids=None,
+                    position_ids=None) -> None:
+  """ValueError for a concrete id outside its embedding table (`check_index_values`; traced ids
+  are not checked)."""
+  check_index_values("input_ids", input_ids, config.vocab_size,
+                     f"vocab_size={config.vocab_size}")
+  check_index_values("token_type_ids", token_type_ids, config.type_vocab_size,
+                     f"type_vocab_size={config.type_vocab_size}")
+  check_index_values("position_ids", position_ids, config.max_position_embeddings,
+                     f"max_position_embeddings={config.max_position_embeddings}")
 
 
 def _check_like_ids(name: str, x, shape: tuple[int, ...]) -> jax.Array | None:
@@ -156,6 +168,10 @@ class LongformerModel(HFCheckpointMixin, nnx.Module):
         nonzero value counts as 1 (`ops.validation.check_mask_values`).
       token_type_ids: [B, N]; default zeros.
       position_ids: [B, N]; default RoBERTa positions computed from the pad token.
+        Every id must index its table: input_ids in [0, vocab_size), token_type_ids in
+        [0, type_vocab_size), position_ids in [0, max_position_embeddings). A concrete id
+        outside is a ValueError naming it and its position; under jit it is not checked and
+        its embedding, and so the outputs of its row, are NaN (`layers.Embed`).
       max_global: static bound on global tokens per row, needed under jit with a global mask.
       output_hidden_states, output_attentions: also return those (see module docstring).
     """
@@ -179,6 +195,7 @@ class LongformerModel(HFCheckpointMixin, nnx.Module):
         max_global = int(jnp.max(jnp.sum(global_BxN, axis=1), initial=0))
     token_type_ids = _check_like_ids("token_type_ids", token_type_ids, shape)
     position_ids = _check_like_ids("position_ids", position_ids, shape)
+    check_model_ids(c, ids_BxN, token_type_ids, position_ids)
 
     hidden_BxNxE = self.embeddings(ids_BxN, token_type_ids, position_ids)
 
@@ -399,6 +416,10 @@ class LongformerForMultipleChoice(HFCheckpointMixin, nnx.Module):
       x = _check_like_ids(name, x, ids_BxCxN.shape)
       return None if x is None else x.reshape(batch * choices, seq)
 
+    # Checked here too, so that an error names a [batch, choice, seq] position.
+    check_model_ids(self.config, ids_BxCxN,
+                    *(_check_like_ids(name, x, ids_BxCxN.shape) for name, x in (
+                        ("token_type_ids", token_type_ids), ("position_ids", position_ids))))
     ids_BCxN = ids_BxCxN.reshape(batch * choices, seq)
     global_BCxN = flat("global_attention_mask", global_attention_mask)
     if global_BCxN is None:

@@ -215,3 +215,22 @@ def test_call_time_windows_are_checked():
     _model()(_tokens(1, 8), windows=(4,))
   with pytest.raises(ValueError, match="must be an int >= 1"):
     _model()(_tokens(1, 8), windows=(4, 0))
+
+
+def test_bytes_outside_the_vocabulary_are_refused_and_nan_under_jit():
+  """A concrete token outside [0, vocab_size) is a ValueError naming it and its position (a
+  plain lookup gave -1 the embedding of byte 255, and NaN for 256); under jit the logits of its
+  row are NaN, never another byte's."""
+  model = _model()
+  tokens = _tokens(2, 8)
+  for value in (-1, 256):
+    with pytest.raises(ValueError, match=rf"tokens holds {value} at position \(1, 5\); "
+                                         rf"expected ids in \[0, 256\) \(vocab_size=256\)"):
+      model(tokens.at[1, 5].set(value))
+  with pytest.raises(ValueError, match=r"token holds 300 at position \(0,\)"):
+    bands = model.decode_bands(max_len=4)
+    model.decode_step(jnp.array([300]), model.prefill(tokens[:1, :2], bands)[1], jnp.asarray(2),
+                      bands)
+  logits = nnx.jit(lambda model, t: model(t))(model, tokens.at[1, 5].set(-1))
+  assert np.isnan(np.asarray(logits[1, 5:])).all()
+  assert np.isfinite(np.asarray(logits[0])).all()  # the other row is untouched

@@ -109,7 +109,8 @@ def _splits(task, files, options=ft.FinetuneOptions(), source=True):
 
 def test_a_class_training_never_saw_is_refused_not_a_wider_head(tmp_path):
   train = _write(tmp_path, "train.jsonl", [{"input_ids": [4], "label": 0},
-                                           {"input_ids": [5], "label": 2}])
+                                           {"input_ids": [5], "label": 2},
+                                           {"input_ids": [6], "label": 1}])
   valid = _write(tmp_path, "valid.jsonl", [{"input_ids": [4], "label": 1},
                                            {"input_ids": [5], "label": 3}])
   with pytest.raises(ValueError) as info:
@@ -121,8 +122,82 @@ def test_a_class_training_never_saw_is_refused_not_a_wider_head(tmp_path):
   # a model) the given files size a new head, as before.
   splits, cfg = _splits("classification", {"train": train, "validation": train})
   assert cfg.model.num_labels == 3
-  _, cfg = _splits("classification", {"validation": valid})
+  _, cfg = _splits("classification", {"validation": valid, "test": train})
   assert cfg.model.num_labels == 4
+
+
+@pytest.mark.parametrize("label, problem", [
+    (10**9, "is 1000000000: a class id must be below 65,536 (labels are the classes 0..K-1, "
+            "K <= 65,536)"),
+    (10**30, "is 100000000000... (31 digits): a class id must be below 65,536"),
+])
+def test_a_huge_label_is_refused_when_read_before_a_head_is_sized(tmp_path, label, problem):
+  """A label of 10**9 sized a head of 10**9 classes (a 256 GB allocation); 10**30 ended in a
+  TypeError. Both are refused when the file is read, naming the file, line and field."""
+  train = _write(tmp_path, "train.jsonl", [{"input_ids": [4], "label": 0},
+                                           {"input_ids": [5], "label": label}])
+  _refused(train, problem, "label", line=2)
+  tags = _write(tmp_path, "tags.jsonl", [{"input_ids": [4, 5], "labels": [0, label]}])
+  with pytest.raises(ValueError) as info:
+    _splits("token", {"train": tags})
+  assert str(info.value).startswith(f"{tags}:1: field 'labels' {problem}"), str(info.value)
+
+
+def test_labels_must_be_the_dense_range_their_head_is_sized_by(tmp_path):
+  """Labels 0 and 5 would size a head of 6 classes, 4 of them never named: refused at the
+  largest label, naming the classes no record has. A source classifier declaring the classes
+  (its num_labels covers the labels) keeps its head."""
+  train = _write(tmp_path, "train.jsonl", [{"input_ids": [4], "label": 0},
+                                           {"input_ids": [5], "label": 5},
+                                           {"input_ids": [6], "label": 1}])
+  with pytest.raises(ValueError) as info:
+    _splits("classification", {"train": train})
+  assert str(info.value).startswith(
+      f"{train}:2: field 'label' is 5, but no record has the class(es) 2, 3, 4: labels must be "
+      f"the dense range 0..K-1"), str(info.value)
+  classifier = ft.ModelSource(CONFIG.replace(num_labels=8), None,
+                              "LongformerForSequenceClassification", {})
+  cfg = ft.new_run_config(classifier, steps=1, batch_size=1, learning_rate=1e-3, max_length=16,
+                          seed=0)
+  splits = ft.read_splits("classification", {"train": train}, None, cfg, ft.FinetuneOptions(),
+                          new_run=True)
+  assert ft.fit_head("classification", cfg, splits, classifier).model.num_labels == 8
+  tags = _write(tmp_path, "tags.jsonl", [{"input_ids": [4, 5], "labels": [0, 1]},
+                                         {"input_ids": [4, 5], "labels": [3, 0]}])
+  with pytest.raises(ValueError, match=r"tags.jsonl:2: field 'labels' is 3, but no record has "
+                                       r"the class\(es\) 2"):
+    _splits("token", {"train": tags})
+
+
+def test_jsonl_nested_too_deeply_is_one_error_naming_the_line(tmp_path):
+  """100,000 nested brackets made json's decoder raise RecursionError."""
+  path = tmp_path / "deep.jsonl"
+  path.write_text('{"input_ids": [4], "label": 0}\n{"input_ids": ' + "[" * 100_000
+                  + "]" * 100_000 + ', "label": 0}\n')
+  with pytest.raises(ValueError) as info:
+    _read(str(path))
+  assert str(info.value).startswith(f"{path}:2: nests JSON arrays or objects too deeply"), \
+      str(info.value)
+
+
+def test_a_tokenizer_whose_regex_backtracks_is_one_error_naming_its_file(tmp_path):
+  """A pattern that backtracks catastrophically makes `tokenizers` panic (PanicException, a
+  BaseException that went through every `except Exception`): a ValueError naming the
+  tokenizer's file and the record."""
+  from tokenizers import Regex
+
+  from longformer_jax.data.tokenizer import load_tokenizer
+  vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>", "a"])}
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("(a+)+b"), "isolated")
+  file = tmp_path / "tokenizer.json"
+  tokenizer.save(str(file))
+  path = _write(tmp_path, "t.jsonl", [{"text": "a" * 40, "label": 0}])
+  with pytest.raises(ValueError) as info:
+    _read(path, tokenizer=load_tokenizer(tmp_path))
+  assert str(info.value).startswith(
+      f"the tokenizer {file} failed while encoding {path}:1 field 'text': Onig: Regex search "
+      f"error"), str(info.value)
 
 
 def test_a_tag_training_never_saw_is_refused_and_the_tags_are_the_training_files(tmp_path):

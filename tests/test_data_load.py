@@ -317,3 +317,75 @@ def test_download_times_out(tmp_path, silent_server):
   assert str(tmp_path / "downloads" / "manual" / "text8.zip") in str(e.value)
   assert not list((tmp_path / "downloads").glob("*"))  # no partial file left behind
   assert corpora.DOWNLOAD_TIMEOUT_S == 60  # the default: per socket operation, not in total
+
+
+# --- a prepared directory is data, and a split is its own ------------------------------------
+
+
+def _split_file(builder_dir: Path, split: str) -> Path:
+  (path,) = builder_dir.glob(f"*-{split}.array_record-*")
+  return path
+
+
+def test_a_swapped_split_file_is_refused_not_scored(data_dir, tmp_path, small_chunks):
+  """A prepared split's files swapped for another split's were read without a word: the length
+  (the samples: and the SHA-256 the package knows) or the SHA-256 recorded when this module
+  prepared the corpus (equal lengths: the official corpora's validation and test) refuse it."""
+  import shutil
+  load_split("enwik8_sample", "test", data_dir)  # prepared in the session's directory
+  shutil.copytree(data_dir / "enwik8_sample", tmp_path / "copy" / "enwik8_sample")
+  version = tmp_path / "copy" / "enwik8_sample" / "1.0.0"
+  test, validation = _split_file(version, "test"), _split_file(version, "validation")
+  test.write_bytes(validation.read_bytes())
+  with pytest.raises(ValueError, match=r"enwik8_sample/test under .* holds 304,487 bytes; that "
+                                       r"split has 304,488: its files are not its own"):
+    load_split("enwik8_sample", "test", tmp_path / "copy")
+
+  content = (bytes(range(256)) * 8)[:2000]  # validation and test: 100 bytes each
+  source = _fake_archive(tmp_path / "manual" / "enwik8.zip", "enwik8", content)
+  cls = _with_source(builders.Enwik8, source)
+  builder = builders.prepare(cls, data_dir=tmp_path / "data", manual_dir=tmp_path / "manual")
+  assert (Path(builder.data_dir) / builders.SPLITS_FILE).is_file()
+  test, validation = (_split_file(Path(builder.data_dir), s) for s in ("test", "validation"))
+  swapped = validation.read_bytes()
+  validation.write_bytes(test.read_bytes())
+  test.write_bytes(swapped)
+  with pytest.raises(ValueError, match=r"/test under .* has sha256 .*, that split .*: its files "
+                                       r"are not its own"):
+    builders.read_split(builder, "test")
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda text: text[:100], "dataset_info.json is not JSON TFDS can read"),
+    (lambda text: "[]", "dataset_info.json holds a JSON list, not TFDS metadata"),
+    (lambda text: text.replace('"version": "1.0.0"', '"version": "9.9.9"'),
+     "cannot be read"),
+])
+def test_an_edited_dataset_info_is_one_error_naming_it(data_dir, tmp_path, edit, message):
+  """An edited dataset_info.json crashed in TFDS (a protobuf ParseError, an AssertionError)."""
+  import shutil
+  load_split("enwik8_sample", "test", data_dir)
+  shutil.copytree(data_dir / "enwik8_sample", tmp_path / "enwik8_sample")
+  info = tmp_path / "enwik8_sample" / "1.0.0" / "dataset_info.json"
+  info.write_text(edit(info.read_text()))
+  with pytest.raises(ValueError, match=message):
+    load_split("enwik8_sample", "test", tmp_path)
+
+
+def test_a_features_json_cannot_make_tfds_import_a_module(tmp_path, monkeypatch):
+  """TFDS imports the module of a feature class a features.json names: a prepared directory
+  (tfds:NAME) naming one outside TFDS is refused before TFDS reads it, and nothing is imported."""
+  from longformer_jax.data import tokenized
+  marker = tmp_path / "imported"
+  (tmp_path / "planted_module.py").write_text(
+      f"open({str(marker)!r}, 'w').write('ran')\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  version = tmp_path / "data" / "planted" / "1.0.0"
+  version.mkdir(parents=True)
+  (version / "dataset_info.json").write_text('{"name": "planted", "version": "1.0.0"}')
+  (version / "features.json").write_text(
+      '{"pythonClassName": "planted_module.Feature", "featuresDict": {}}')
+  with pytest.raises(ValueError, match=r"features.json names the feature class "
+                                       r"'planted_module.Feature', not one of TFDS's own"):
+    tokenized.text_of("tfds:planted", "test", data_dir=tmp_path / "data")
+  assert not marker.exists()

@@ -1,6 +1,8 @@
 """BPC evaluation: every character scored exactly once; the batched sliding protocol equals a
 brute-force evaluation that runs the model separately for every position."""
 
+import dataclasses
+import json
 import math
 
 import jax
@@ -133,3 +135,74 @@ def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, 
   value = math.nan
   assert bpc.main(args + ["--output", str(out)]) == 1
   assert not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# The data eval.bpc scores
+
+
+def test_bpc_scores_the_runs_own_data_file_by_default(charlm_run, tmp_path, capsys):
+  """A run trained with --data-file was scored on its config's dataset (enwik8_sample) when
+  eval.bpc had no --file: now its record names the file, and the file's test split is scored."""
+  from longformer_jax.cli.eval import bpc
+  out = tmp_path / "out.json"
+  assert bpc.main(["--workdir", str(charlm_run.workdir), "--max-bytes", "64", "--context", "16",
+                   "--output", str(out), "--no-progress"]) == 0
+  result = json.loads(out.read_text())
+  assert result["data_file"] == str(charlm_run.data.resolve()) and result["split"] == "test"
+  assert "dataset" not in result and result["bytes"] == 64
+  from longformer_jax.tasks.charlm import split_of_file
+  expected = evaluate_bpc(restore_run_model(charlm_run.workdir), split_of_file(
+      str(charlm_run.data), "test")[:64], context=16, stride=8, windows=(3, 6))
+  assert result["bpc"] == pytest.approx(expected, rel=1e-5)
+
+
+def restore_run_model(workdir):
+  from longformer_jax.tasks.charlm import restore_run
+  return restore_run(workdir)[0]
+
+
+def test_run_data_refuses_a_file_that_is_not_the_one_the_run_trained_on(tmp_path):
+  """The record's file, changed since (or gone), is refused naming it, not scored."""
+  from longformer_jax.tasks.charlm import char_tiny, run_data, split_of_file
+  import hashlib
+  data = tmp_path / "data.bin"
+  data.write_bytes(bytes(range(256)) * 8)
+  train = split_of_file(str(data), "train")
+  record = {"data": {"data_file": str(data), "train_bytes": len(train),
+                     "train_sha256": hashlib.sha256(train.tobytes()).hexdigest()}}
+  got, source, name = run_data(record, char_tiny(), "validation")
+  assert source == {"data_file": str(data), "split": "validation"}
+  assert name == "file_data.bin_validation"
+  np.testing.assert_array_equal(got, split_of_file(str(data), "validation"))
+  data.write_bytes(bytes(range(256))[::-1] * 8)
+  with pytest.raises(ValueError, match=f"the --data-file {data} is not the data the run trained "
+                                       f"on: its train split has 1,843 bytes and another SHA-256"):
+    run_data(record, char_tiny(), "test")
+  data.unlink()
+  with pytest.raises(FileNotFoundError, match=f"the run trained on --data-file {data}, which is "
+                                              f"not there now"):
+    run_data(record, char_tiny(), "test")
+
+
+def test_bytes_outside_the_vocabulary_are_refused_before_scoring(tmp_path, capsys):
+  """A model of 128 bytes scoring byte 200 gave NaN and "the checkpoint's weights are not
+  usable": refused naming the byte and its position (exit 2, before any checkpoint is read)."""
+  from longformer_jax.cli.eval import bpc
+  from longformer_jax.tasks.charlm import char_tiny
+  from longformer_jax.training import write_run_config
+  cfg = char_tiny()
+  write_run_config(tmp_path / "run",
+                   dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=128)))
+  text = tmp_path / "text.bin"
+  text.write_bytes(b"plain ascii " + bytes([200]) + b" then more")
+  with pytest.raises(SystemExit) as exit_info:
+    bpc.main(["--workdir", str(tmp_path / "run"), "--file", str(text), "--no-progress"])
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == (
+      f"eval.bpc: error: {text} holds byte 200 at position 12 (1 bytes >= 128); the model's "
+      f"vocabulary is bytes 0..127 (vocab_size=128): pick data it can read, or a model with "
+      f"vocab_size=256\n")
+  model = LongformerForCausalLM(MODEL.replace(vocab_size=128), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="the data to score holds byte 200 at position 12"):
+    evaluate_bpc(model, np.frombuffer(text.read_bytes(), np.uint8), context=8, stride=4)

@@ -155,6 +155,12 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   assert again["validation"] == results["validation"] and again["test"] == results["test"]
   assert again_predictions == predictions
   assert {name: (workdir / name).read_bytes() for name in kept} == kept
+  assert again["changed_settings"] == {}
+  # Settings that change only how the checkpoint is evaluated are taken and recorded.
+  assert cli.main([*eval_only, "--set", "global_attention=none", "--set",
+                   "eval_batch_size=2"]) == 0
+  assert _read_results(workdir, "eval_")[0]["changed_settings"] == {
+      "eval_batch_size": 2, "global_attention": "none"}
 
   # What differs from the run is refused in one line before anything is evaluated or written:
   # another tokenizer, given or in the workdir, another length, an output that cannot be
@@ -167,6 +173,13 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
            "not the one the run in")
   _refused(capsys, [*eval_only, "--max-length", "32"],
            "max_length=32 is not the run's 48 (its stages.0.seq_len)")
+  # A --set that changes the model or how the data is read scored the checkpoint with another
+  # model (exit 0, nothing recorded): refused, naming it.
+  _refused(capsys, [*eval_only, "--set", "model.layer_norm_eps=10.0"],
+           "--eval-only scores the run's own model", "model.layer_norm_eps: 1e-05 -> 10.0")
+  _refused(capsys, [*eval_only, "--set", "max_question_length=5"],
+           "max_question_length: 128 -> 5")
+  _refused(capsys, [*eval_only, "--set", "model.num_labels=3"], "model.num_labels: 2 -> 3")
   os.replace(workdir / "tokenizer.json", tmp_path / "kept.json")
   (workdir / "tokenizer.json").write_bytes(other_tokenizer.read_bytes())
   _refused(capsys, eval_only, f"the tokenizer {workdir / 'tokenizer.json'} has sha256 ")

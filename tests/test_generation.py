@@ -208,7 +208,8 @@ def test_cache_memory_does_not_grow_with_the_length():
 
 @pytest.mark.parametrize("call, match", [
     (lambda m: m.generate(np.zeros((2, 0), int), 3), "at least one token"),
-    (lambda m: m.generate([[1, 256]], 3), r"prompt tokens must be in \[0, 256\)"),
+    (lambda m: m.generate([[1, 256]], 3),
+     r"prompt holds 256 at position \(0, 1\); expected ids in \[0, 256\)"),
     (lambda m: m.generate([[1.5]], 3), "prompt must be ints"),
     (lambda m: m.generate([1], -1), "max_new_tokens must be an int >= 0"),
     (lambda m: m.generate([1], 3, top_k=257), "exceeds the vocabulary"),

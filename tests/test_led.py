@@ -288,6 +288,13 @@ def test_bad_inputs_raise_clear_errors():
   with pytest.raises(ValueError, match=r"decoder_attention_mask holds 0.5 at \(0, 1\)"):
     model(jnp.full((1, 8), 5), decoder_input_ids=dec,
           decoder_attention_mask=jnp.ones((1, 4)).at[0, 1].set(0.5))
+  with pytest.raises(ValueError, match=rf"input_ids holds -1 at position \(0, 2\); expected "
+                                       rf"ids in \[0, {VOCAB}\) \(vocab_size={VOCAB}\)"):
+    model(jnp.full((1, 8), 5).at[0, 2].set(-1), decoder_input_ids=dec)
+  with pytest.raises(ValueError, match=rf"decoder_input_ids holds {VOCAB} at position \(0, 3\)"):
+    model(jnp.full((1, 8), 5), decoder_input_ids=dec.at[0, 3].set(VOCAB))
+  with pytest.raises(ValueError, match=rf"input_ids holds {VOCAB + 7} at position \(0, 0\)"):
+    model.generate(jnp.full((1, 8), 5).at[0, 0].set(VOCAB + 7), max_new_tokens=2)
   with pytest.raises(ValueError, match="max_length=25 must be an int in \\[1, "
                                        "max_decoder_position_embeddings=24\\]"):
     model.init_cache(encoded, max_length=25)

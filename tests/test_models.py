@@ -189,6 +189,37 @@ def test_masks_hold_0_and_1_and_nonzero_counts_as_1_under_jit():
   np.testing.assert_allclose(run(model, odd_mask, global_mask * 2), eager, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("name, value, where, table", [
+    ("input_ids", -1, (1, 4), r"\[0, 64\) \(vocab_size=64\)"),
+    ("input_ids", 64, (0, 2), r"\[0, 64\) \(vocab_size=64\)"),
+    ("position_ids", -3, (2, 0), r"\[0, 40\) \(max_position_embeddings=40\)"),
+    ("token_type_ids", 5, (1, 7), r"\[0, 2\) \(type_vocab_size=2\)"),
+])
+def test_ids_outside_their_table_are_refused_and_nan_under_jit(name, value, where, table):
+  """A concrete id outside its embedding table is a ValueError naming the argument, the value,
+  its position and the range (a plain lookup gave -1 the last row's embedding, -3 position 37's,
+  type 5 type 0's, and NaN for id 64, without a word). Under jit the values cannot be read:
+  the id's outputs are NaN (and those of the tokens of its row that attend to it), never
+  another id's, and the other rows are untouched."""
+  model = eval_model(modeling.LongformerForMaskedLM)
+  ids = inputs()[0]
+  given = {"input_ids": ids, "position_ids": jnp.broadcast_to(jnp.arange(2, SEQ + 2), ids.shape),
+           "token_type_ids": jnp.zeros_like(ids)}
+  given[name] = given[name].at[where].set(value)
+  with pytest.raises(ValueError, match=rf"{name} holds {value} at position "
+                                       rf"\({where[0]}, {where[1]}\); expected ids in {table}"):
+    model(**given)
+  with pytest.raises(ValueError, match=rf"{name} holds {value} at position"):  # NumPy ids too
+    model(**{k: np.asarray(v) for k, v in given.items()})
+  logits = nnx.jit(lambda model, given: model(**given).logits)(model, given)
+  assert np.isnan(np.asarray(logits[where])).all()
+  assert np.isfinite(np.asarray(jnp.delete(logits, where[0], axis=0))).all()
+  with pytest.raises(ValueError, match=rf"{name} holds {value} at position "
+                                       rf"\({where[0]}, 0, {where[1]}\)"):
+    eval_model(modeling.LongformerForMultipleChoice)(
+        **{k: v[:, None] for k, v in given.items()})
+
+
 def test_padding_is_invisible():
   """Padding up to the longest input the position table holds (38 tokens, a multiple of no
   window) leaves the real tokens' outputs as they were: the op's internal padding never shows."""

@@ -581,6 +581,9 @@ def test_resume_rules():
   # Free: how the run is executed and reported.
   assert check_resume(stored, _record(eval_every=7, mesh_shape=(1, 1), microbatch_size=2,
                                       checkpoint_every=3, async_checkpoints=False), step=15) == []
+  # Free too: where a --data-file was (its bytes' SHA-256 is the data), recorded or not.
+  moved = {**stored, "data": {**stored["data"], "data_file": "/elsewhere/data.bin"}}
+  assert check_resume(stored, moved, step=15) == check_resume(moved, stored, step=15) == []
   # Allowed: the current stage's length (not below the step reached), later stages.
   stages = (Stage(16, 4, 10, 1e-3), Stage(32, 2, 30, 5e-4), Stage(64, 1, 5, 1e-4))
   assert check_resume(stored, _record(stages=stages), step=15) == [

@@ -672,3 +672,14 @@ def test_an_eval_command_on_another_kind_of_run_says_what_the_run_is(command, ar
     (run / "run_config.json").write_text(json.dumps(_RECORDS[kind]))
   err = _refused(command, ["--workdir", str(run), *argv], capsys)
   assert message.format(run=run) in err
+
+
+def test_train_charlm_refuses_bytes_outside_the_vocabulary(capsys, tmp_path):
+  """A model of 128 bytes on a file of every byte trained into NaN and "lower the learning
+  rate": refused before training, naming the first byte outside and its position."""
+  workdir = tmp_path / "run"
+  err = _refused("longformer-train-charlm",
+                 _charlm_argv(tmp_path, workdir, "--set", "model.vocab_size=128"), capsys)
+  assert (f"{tmp_path / 'data.bin'} (train split) holds byte 128 at position 128 (9,216 bytes "
+          f">= 128); the model's vocabulary is bytes 0..127 (vocab_size=128)") in err, err
+  assert not (workdir / "checkpoints").exists()

@@ -39,11 +39,34 @@ __all__ = [
     "Enwik8Sample",
     "Text8",
     "Text8Sample",
+    "check_metadata",
     "prepare",
     "read_split",
 ]
 
 CHUNK_BYTES = 1 << 20  # one record per MiB: 90 records for enwik8's train split
+
+# The length of each sample's stream (an official corpus's is its `Source.length`): a prepared
+# split must hold exactly its share of it.
+SAMPLE_BYTES = {"enwik8_sample": 6_089_746, "text8_sample": 3_085_829}
+# SHA-256 of the samples' splits, from the package's data (tests/test_data_load.py checks them).
+SPLIT_SHA256 = {
+    "enwik8_sample": {
+        "train": "1cf35daa55b95f1e956fdfdae4070f8828927b3f15f0ddcf79daf17046953727",
+        "validation": "7a56b5176df7338194fddbd5903545b649bc4c3469b12ae0f2d438fcf85f084f",
+        "test": "445068879abb9d354ba8e86ba820af9c6b91ba40c135be2771ef260a54bff1bf",
+    },
+    "text8_sample": {
+        "train": "b1634e67e28709feca9853afcff45713be44d934a2d36c64fb3743b11f00e665",
+        "validation": "a4b210b39a8601f7f342a8bf3d6e4a03cf3a98c62296baec060335b4ce01e641",
+        "test": "8f2e2399d15dd6487998858794eed4010b35920441e17b283a13f1c1700be46c",
+    },
+}
+# Written beside a corpus's files when this module prepares it: each split's length and SHA-256
+# (the full corpora's digests are known only once their zips are read).
+SPLITS_FILE = "longformer_splits.json"
+# The modules a prepared dataset's metadata may name feature classes of: TFDS's own.
+_FEATURE_MODULES = ("tensorflow_datasets.",)
 
 _WIKIPEDIA_LICENSE = "Wikipedia text: CC BY-SA 3.0 and GFDL, https://en.wikipedia.org"
 _SAMPLE_LICENSE = (
@@ -216,7 +239,9 @@ def prepare(
           f"unknown dataset name={name_or_class!r}; expected one of {tuple(BUILDERS)}"
       )
     name_or_class = BUILDERS[name_or_class]
-  builder = name_or_class(data_dir=data_dir)
+  check_metadata(Path(data_dir or tfds.core.constants.DATA_DIR) / name_or_class.name)
+  builder = _open(name_or_class, data_dir)
+  prepared_before = builder.is_prepared()
   try:
     builder.download_and_prepare(
       # No GCS lookup: these datasets are not hosted there, and machines may be offline.
@@ -230,12 +255,143 @@ def prepare(
     builder = name_or_class(data_dir=data_dir)
     if not builder.is_prepared():
       raise
+  if not prepared_before and builder.name not in SPLIT_SHA256:
+    _record_splits(builder)
   return builder
 
 
+def _open(cls: type[_ByteStream], data_dir) -> tfds.core.DatasetBuilder:
+  """`cls(data_dir=...)`: TFDS reads a prepared dataset's dataset_info.json here, and an edited
+  one ends in its own parse or assertion errors: a ValueError naming the directory instead."""
+  try:
+    return cls(data_dir=data_dir)
+  except OSError:
+    raise
+  except Exception as e:  # TFDS raises protobuf, assertion, key errors
+    where = Path(data_dir or tfds.core.constants.DATA_DIR) / cls.name
+    raise ValueError(f"the prepared dataset {where} cannot be read ({type(e).__name__}: "
+                     f"{str(e).splitlines()[0][:200] if str(e) else 'no message'}); delete "
+                     f"it to rebuild") from None
+
+
+def check_metadata(root: os.PathLike | str) -> None:
+  """Reads every dataset_info.json and features.json under a prepared dataset's directory
+  `root` as data, before TFDS does: each must be a JSON object, and every feature class it
+  names ("pythonClassName") one of TFDS's own. TFDS imports the module of a feature class it
+  does not know, so a features.json could otherwise make it import any module. Raises
+  ValueError naming the file and the value. A missing directory passes (nothing prepared)."""
+  import json
+
+  root = Path(root)
+  if not root.is_dir():
+    return
+  for path in sorted(root.glob("**/*.json")):
+    if path.name not in ("dataset_info.json", "features.json") or len(
+        path.relative_to(root).parts) > 4:
+      continue
+    try:
+      if not path.is_file():
+        raise ValueError("not a regular file")
+      value = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+      raise ValueError(f"{path}: nests JSON too deeply to be TFDS metadata") from None
+    except (ValueError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path} is not JSON TFDS can read ({e}); delete the prepared "
+                       f"dataset to rebuild it") from None
+    if not isinstance(value, dict):
+      raise ValueError(f"{path} holds a JSON {type(value).__name__}, not TFDS metadata (an "
+                       f"object); delete the prepared dataset to rebuild it")
+    for name in _class_names(value):
+      if not isinstance(name, str) or not name.startswith(_FEATURE_MODULES):
+        raise ValueError(f"{path} names the feature class {str(name)[:120]!r}, not one of "
+                         f"TFDS's own: a prepared dataset is read as data, and TFDS would "
+                         f"import the module that names")
+
+
+def _class_names(value) -> list:
+  """Every "pythonClassName" value in a JSON tree (iteratively: no recursion limit)."""
+  names, stack = [], [value]
+  while stack:
+    node = stack.pop()
+    if isinstance(node, dict):
+      if "pythonClassName" in node:
+        names.append(node["pythonClassName"])
+      stack.extend(node.values())
+    elif isinstance(node, list):
+      stack.extend(node)
+  return names
+
+
+def _split_digest(data: np.ndarray) -> str:
+  import hashlib
+  return hashlib.sha256(np.ascontiguousarray(data).tobytes()).hexdigest()
+
+
+def _record_splits(builder: tfds.core.DatasetBuilder) -> None:
+  """Writes `SPLITS_FILE` beside a corpus this module has just prepared."""
+  import json
+
+  from longformer_jax.io import atomic_write
+  record = {}
+  for split in corpora.split_bounds(1):
+    data = _read(builder, split)
+    record[split] = {"bytes": int(data.size), "sha256": _split_digest(data)}
+  try:
+    atomic_write(Path(builder.data_dir) / SPLITS_FILE, json.dumps(record, indent=2) + "\n")
+  except OSError:
+    pass  # a read-only data_dir (another process prepared it): the lengths are still checked
+
+
+def _recorded(builder: tfds.core.DatasetBuilder, split: str) -> str | None:
+  """The SHA-256 a split must have: the package's (samples), else the one recorded when the
+  corpus was prepared (`SPLITS_FILE`), else None."""
+  import json
+  if builder.name in SPLIT_SHA256:
+    return SPLIT_SHA256[builder.name][split]
+  path = Path(builder.data_dir) / SPLITS_FILE
+  if not path.is_file():
+    return None
+  try:
+    digest = json.loads(path.read_text())[split]["sha256"]
+  except (ValueError, KeyError, TypeError, RecursionError):
+    raise ValueError(f"{path} is not the record of {builder.name}'s splits; delete "
+                     f"{builder.data_dir} to rebuild") from None
+  return digest if isinstance(digest, str) else None
+
+
 def read_split(builder: tfds.core.DatasetBuilder, split: str) -> np.ndarray:
+  """A prepared split as one new uint8 array, its chunks checked to be contiguous, and the
+  split checked to be its own before anything is scored: its length is its share of the
+  corpus (`Source.length`, `SAMPLE_BYTES`), and its SHA-256 the package's (samples) or the
+  one recorded when it was prepared (`SPLITS_FILE`). A split's files swapped for another
+  split's are a ValueError naming the directory, not another split scored without a word."""
+  data = _read(builder, split)
+  where = f"{builder.name}/{split} under {builder.data_dir}"
+  source = getattr(builder, "SOURCE", None)
+  total = source.length if source is not None else SAMPLE_BYTES.get(builder.name)
+  if total is not None:
+    start, stop = corpora.split_bounds(total)[split]
+    if data.size != stop - start:
+      raise ValueError(f"{where} holds {data.size:,} bytes; that split has {stop - start:,}: "
+                       f"its files are not its own (another split's?); delete "
+                       f"{builder.data_dir} to rebuild")
+  recorded = _recorded(builder, split)
+  if recorded is not None and _split_digest(data) != recorded:
+    raise ValueError(f"{where} has sha256 {_split_digest(data)[:16]}..., that split "
+                     f"{recorded[:16]}...: its files are not its own (another split's?); "
+                     f"delete {builder.data_dir} to rebuild")
+  return data
+
+
+def _read(builder: tfds.core.DatasetBuilder, split: str) -> np.ndarray:
   """A prepared split as one new uint8 array, its chunks checked to be contiguous."""
-  source = builder.as_data_source(split=split)
+  try:
+    source = builder.as_data_source(split=split)
+  except OSError:
+    raise
+  except Exception as e:  # an edited dataset_info.json: TFDS's own errors
+    raise ValueError(f"{builder.name}/{split} under {builder.data_dir} cannot be read "
+                     f"({type(e).__name__}: {str(e)[:200]}); delete it to rebuild") from None
   records = [source[i] for i in range(len(source))]
   expected = 0
   for record in records:

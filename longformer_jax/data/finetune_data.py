@@ -37,10 +37,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from longformer_jax.data import text
-from longformer_jax.data.tokenizer import SpecialIds
+from longformer_jax.data.tokenizer import SpecialIds, copy_tokenizer, encoding_errors
 
 # Label of positions that are not scored (HF's ignore index).
 IGNORE_INDEX = -100
+# The most classes a head may have: labels are class ids below it, read before a head is sized
+# (a label of 10**9 would otherwise size a head of 10**9 rows).
+MAX_LABELS = 2**16
 GLOBAL_MODES = ("default", "none", "first", "question")
 
 
@@ -192,9 +195,8 @@ class Reader:
     self.label_names = label_names
     self.tokenizer = None
     if tokenizer is not None:
-      import tokenizers
       # A copy whose own truncation and padding settings cannot interfere.
-      self.tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+      self.tokenizer = copy_tokenizer(tokenizer)
       self.tokenizer.no_truncation()
       self.tokenizer.no_padding()
 
@@ -277,7 +279,8 @@ class Reader:
   def encode(self, record, field: str, content: str) -> tuple[np.ndarray, np.ndarray]:
     """(ids, character offsets [n, 2]) of a text, without special tokens (a text that spells
     one, e.g. a literal "</s>" the tokenizer reads as its special token, is an error)."""
-    enc = self.tokenizer.encode(content, add_special_tokens=False)
+    with encoding_errors(self.tokenizer, f"{self.path}:{record.line} field {field!r}"):
+      enc = self.tokenizer.encode(content, add_special_tokens=False)
     ids = np.asarray(enc.ids, np.int32)
     if not len(ids):
       raise self.error(record, field, "tokenizes to no tokens")
@@ -320,12 +323,41 @@ class Reader:
     return left
 
   def label(self, record, field: str, below: int | None = None) -> int:
-    """The integer label of `field`, checked >= 0 and < `below`."""
+    """The integer label of `field`, checked >= 0, < `below` and < MAX_LABELS."""
     value = record.fields[field]
     if value < 0 or (below is not None and value >= below):
       bound = "" if below is None else f" and < {below}"
       raise self.error(record, field, f"must be >= 0{bound}, got {value}")
+    check_label_bound(self.path, record.line, field, value)
     return value
+
+
+def check_label_bound(path: str, line: int, field: str, value: int) -> None:
+  """A `text.JsonlError` for an integer class label >= MAX_LABELS."""
+  if value >= MAX_LABELS:
+    raise text.JsonlError(path, line, field, f"is {_short(value)}: a class id must be below "
+                          f"{MAX_LABELS:,} (labels are the classes 0..K-1, K <= {MAX_LABELS:,})")
+
+
+def check_dense_labels(path: str, line: int, field: str, largest: int, used) -> None:
+  """A `text.JsonlError` at the largest label (`path`:`line`) when the integer labels `used`
+  are not the dense range 0..largest: the head gets largest + 1 classes, and a class no record
+  names is a row of the head trained only never to be chosen (a typo, or ids from another label
+  set). Labels up to 1 pass: a classifier has at least two classes whatever its data names."""
+  if largest < 2:
+    return
+  missing = sorted(set(range(largest + 1)) - set(used))
+  if missing:
+    shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+    raise text.JsonlError(path, line, field, f"is {largest}, but no record has the class(es) "
+                          f"{shown}: labels must be the dense range 0..K-1 ({len(missing)} of "
+                          f"0..{largest} unused); renumber them, or start from a classifier "
+                          f"whose num_labels declares the classes")
+
+
+def _short(value) -> str:
+  digits = str(value)
+  return digits if len(digits) <= 24 else f"{digits[:12]}... ({len(digits)} digits)"
 
 
 def first_tokens(spans: Sequence[tuple[int, int]], offsets: np.ndarray) -> np.ndarray:
@@ -356,5 +388,6 @@ def _prefix_mask(lengths: Sequence[int], n: int) -> np.ndarray:
   return (np.arange(n)[None, :] < np.asarray(lengths, np.int64)[:, None]).astype(np.int32)
 
 
-__all__ = ["Example", "FinetuneSplit", "GLOBAL_MODES", "IGNORE_INDEX", "Reader", "RecordLayout",
-           "encoder_arrays", "first_tokens", "read_split"]
+__all__ = ["Example", "FinetuneSplit", "GLOBAL_MODES", "IGNORE_INDEX", "MAX_LABELS", "Reader",
+           "RecordLayout", "check_dense_labels", "check_label_bound", "encoder_arrays",
+           "first_tokens", "read_split"]

@@ -143,6 +143,10 @@ def read_jsonl(path: str | os.PathLike, schema: Mapping[str, type | tuple[type, 
       except json.JSONDecodeError as e:
         raise JsonlError(path, line_number, None,
                          f"is not JSON ({e.msg} at column {e.colno})") from None
+      except RecursionError:  # json's decoder recurses once per nested bracket
+        raise JsonlError(path, line_number, None,
+                         "nests JSON arrays or objects too deeply to be read (a record's "
+                         "fields are strings, numbers and flat lists)") from None
       if not isinstance(obj, dict):
         raise JsonlError(path, line_number, None,
                          f"must be a JSON object, got {type(obj).__name__}")
@@ -183,22 +187,26 @@ def file_sha256(path: str | os.PathLike) -> str:
 # Tokenizers
 
 
-def encode(tokenizer, texts: Sequence[str], *, max_length: int) -> list[np.ndarray]:
+def encode(tokenizer, texts: Sequence[str], *, max_length: int,
+           what: str = "texts") -> list[np.ndarray]:
   """Token ids (int32, one array per text) of `texts`, with the tokenizer's special tokens (its
   post-processor, e.g. BART's `<s> ... </s>`) and truncated to `max_length` ids the way HF does
   it: the text is cut, the special tokens are kept.
 
-  The tokenizer's own truncation and padding settings are ignored (a copy is encoded).
+  The tokenizer's own truncation and padding settings are ignored (a copy is encoded). A
+  tokenizer that fails while encoding is a ValueError naming its file and `what` it encoded
+  (`tokenizer.encoding_errors`).
   """
   if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1:
     raise ValueError(f"max_length must be a positive int, got {max_length!r}")
-  import tokenizers
+  from longformer_jax.data.tokenizer import copy_tokenizer, encoding_errors
 
-  tokenizer = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+  tokenizer = copy_tokenizer(tokenizer)
   tokenizer.no_padding()
   try:
     tokenizer.enable_truncation(max_length)
-    encodings = tokenizer.encode_batch(list(texts))
+    with encoding_errors(tokenizer, what):
+      encodings = tokenizer.encode_batch(list(texts))
   except Exception as e:  # e.g. max_length shorter than the special tokens the template adds
     raise ValueError(f"cannot encode with max_length={max_length}: {e}") from None
   return [np.asarray(e.ids, np.int32) for e in encodings]

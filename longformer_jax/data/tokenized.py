@@ -45,8 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
-from longformer_jax.data.tokenizer import (ROBERTA_SPECIAL_TOKENS, SpecialIds, special_ids,
-                                           tokenizer_sha256)
+from longformer_jax.data.tokenizer import (ROBERTA_SPECIAL_TOKENS, SpecialIds, encoding_errors,
+                                           special_ids, tokenizer_sha256)
 from longformer_jax.io import atomic_write
 
 __all__ = [
@@ -106,9 +106,13 @@ def documents(text: str) -> list[str]:
   return [line for line in (raw.strip() for raw in text.splitlines()) if line]
 
 
-def encode_documents(tokenizer, docs: Sequence[str], eos: int) -> np.ndarray:
-  """The token stream of `docs`: each document's ids (no special tokens added) then `eos`."""
-  encoded = tokenizer.encode_batch(list(docs), add_special_tokens=False)
+def encode_documents(tokenizer, docs: Sequence[str], eos: int,
+                     what: str = "documents") -> np.ndarray:
+  """The token stream of `docs`: each document's ids (no special tokens added) then `eos`. A
+  tokenizer that fails on them is a ValueError naming its file and `what`
+  (`tokenizer.encoding_errors`)."""
+  with encoding_errors(tokenizer, what):
+    encoded = tokenizer.encode_batch(list(docs), add_special_tokens=False)
   pieces = []
   for e in encoded:
     pieces.append(np.asarray(e.ids, np.int64))
@@ -224,6 +228,8 @@ def _tfds_documents(spec: str, split: str, data_dir) -> list[str]:
   if name in builders.BUILDERS:  # the project's own: prepared from local files when missing
     builder = builders.prepare(name, data_dir=data_dir)
   else:
+    # Its metadata read as data first: TFDS would import a module its features.json names.
+    builders.check_metadata(Path(data_dir or tfds.core.constants.DATA_DIR) / name)
     builder = tfds.builder(name, data_dir=data_dir)
     if not builder.is_prepared():
       raise FileNotFoundError(f"tfds:{name} is not prepared in {builder.data_dir}: prepare it "
@@ -298,7 +304,7 @@ def token_ids(source: str, split: str, tokenizer, *, data_dir: str | os.PathLike
     print(f"warning: the token cache {path} {why}: rebuilt from {source} ({split})",
           file=sys.stderr, flush=True)
   ids = encode_documents(tokenizer, text_of(source, split, data_dir),
-                         special_ids(tokenizer).eos)
+                         special_ids(tokenizer).eos, what=f"{source} ({split})")
   path.parent.mkdir(parents=True, exist_ok=True)
   buffer = io.BytesIO()
   np.save(buffer, ids)

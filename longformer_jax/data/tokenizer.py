@@ -16,6 +16,8 @@
   token_id                 a token's id, or a ValueError naming the token
   tokenizer_sha256         what a run and a token cache are keyed by
   check_tokenizer          ValueError when a tokenizer cannot be a model's
+  encoding_errors          a context: a tokenizer that fails (panics) while encoding is a
+                           ValueError naming its file
 
 Tokenizers are the HF `tokenizers` library's (the fast tokenizers of HF transformers use the same
 `tokenizer.json` files).
@@ -23,14 +25,15 @@ Tokenizers are the HF `tokenizers` library's (the fast tokenizers of HF transfor
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import os
 
 __all__ = [
     "MODEL_SPECIAL_TOKENS", "ROBERTA_SPECIAL_TOKENS", "SpecialIds", "check_tokenizer",
-    "load_tokenizer", "special_ids", "special_token_ids", "token_id", "tokenizer_file",
-    "tokenizer_sha256",
+    "copy_tokenizer", "encoding_errors", "load_tokenizer", "special_ids", "special_token_ids",
+    "token_id", "tokenizer_file", "tokenizer_sha256",
 ]
 
 # RoBERTa's special tokens in RoBERTa's id order (<s> 0, <pad> 1, </s> 2, <unk> 3); its <mask> is
@@ -106,6 +109,14 @@ def load_tokenizer(path: str | os.PathLike):
 
   Raises FileNotFoundError or ValueError naming the path.
   """
+  tokenizer = _load_tokenizer(path)
+  # Named in errors while encoding (`encoding_errors`).
+  file = tokenizer_file(path)
+  tokenizer.source_file = file if os.path.isfile(file) else os.fspath(path)
+  return tokenizer
+
+
+def _load_tokenizer(path):
   import tokenizers
 
   if "://" in str(path):
@@ -131,6 +142,41 @@ def load_tokenizer(path: str | os.PathLike):
     return tokenizers.Tokenizer.from_file(file)
   except Exception as e:  # the Rust side raises a bare Exception on a malformed file
     raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
+
+
+@contextlib.contextmanager
+def encoding_errors(tokenizer, what: str):
+  """Runs its block (encoding with `tokenizer`); a Rust panic inside `tokenizers` becomes a
+  ValueError naming the tokenizer's file (`load_tokenizer` records it) and `what` was encoded.
+
+  A tokenizer.json is data, but its regular expressions run on every text: a pattern that
+  backtracks catastrophically makes the regex engine give up, which `tokenizers` turns into a
+  panic. That surfaces as `pyo3_runtime.PanicException`, a BaseException (not an Exception), so
+  it is caught here by name; every other exception passes through unchanged. (The Rust side
+  also prints the panic on stderr before it is caught.)
+  """
+  try:
+    yield
+  except BaseException as e:
+    if type(e).__name__ != "PanicException":
+      raise
+    source = getattr(tokenizer, "source_file", None)
+    name = f"the tokenizer {source}" if source else "the tokenizer"
+    reason = (str(e).strip().splitlines() or ["panicked"])[0][:200]
+    raise ValueError(f"{name} failed while encoding {what}: {reason} (a pattern of the "
+                     f"tokenizer that backtracks catastrophically, or a broken tokenizer.json: "
+                     f"use another tokenizer)") from None
+
+
+def copy_tokenizer(tokenizer):
+  """An independent copy of `tokenizer` (its own truncation and padding settings), still named
+  by its file in errors."""
+  import tokenizers
+  copy = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+  source = getattr(tokenizer, "source_file", None)
+  if source is not None:
+    copy.source_file = source
+  return copy
 
 
 def tokenizer_file(path: str | os.PathLike) -> str:

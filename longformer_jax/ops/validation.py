@@ -97,6 +97,37 @@ def check_mask_values(name: str, mask) -> None:
   raise ValueError(f"{name} holds {value!r} at {position}; expected 0 or 1 (or bool)")
 
 
+def check_index_values(name: str, ids, size: int, table: str) -> None:
+  """ValueError naming the first id of a concrete integer array outside [0, size), with its
+  position and the valid range: an embedding lookup would otherwise wrap a negative id around
+  to a row counted from the end (-1: the last row) and give NaN for an id >= size.
+
+  `table` says which table the ids index ("vocab_size=50265"). As in `check_mask_values`, a
+  traced array (under jit) is not checked: its values are unknown while tracing. There every
+  model looks ids up with `layers.Embed`, which gives NaN embeddings for an out-of-range id,
+  negative or too large (never another row), so the outputs of that row turn NaN. A NumPy array
+  is checked on the host; a concrete jax.Array is reduced on its device to one bool (it may be a
+  global array sharded over processes).
+  """
+  if ids is None or is_traced(ids):
+    return
+  if not isinstance(ids, jax.Array):
+    ids = np.asarray(ids)
+  bad = (ids < 0) | (ids >= size)
+  if isinstance(ids, jax.Array):
+    if is_traced(bad) or not bool(jnp.any(bad)):
+      return
+    flat = int(jnp.argmax(bad.reshape(-1)))
+  else:
+    if not bad.any():
+      return
+    flat = int(np.argmax(bad.reshape(-1)))
+  position = tuple(int(i) for i in np.unravel_index(flat, ids.shape))
+  value = np.asarray(ids.reshape(-1)[flat]).item()
+  raise ValueError(f"{name} holds {value!r} at position {position}; expected ids in "
+                   f"[0, {size}) ({table})")
+
+
 def is_traced(x) -> bool:
   """Whether `x` is a tracer (under jit / grad): its values cannot be checked in Python."""
   return isinstance(x, jax.core.Tracer)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+import os
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -196,6 +197,23 @@ def evaluate_nll(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
   return total, count
 
 
+def check_bytes(data: np.ndarray, vocab_size: int, what: str) -> None:
+  """ValueError naming the first byte of `data` outside the model's vocabulary [0, vocab_size)
+  and its position: its embedding lookup would give NaN, and the run would end in "lower the
+  learning rate" (training) or "the weights are not usable" (scoring), blaming the wrong thing.
+  A vocabulary of 256 takes every byte, and nothing is read."""
+  if vocab_size >= 256:
+    return
+  data = np.asarray(data)
+  bad = np.flatnonzero(data >= vocab_size)
+  if len(bad):
+    i = int(bad[0])
+    raise ValueError(f"{what} holds byte {int(data[i])} at position {i:,} ({len(bad):,} bytes "
+                     f">= {vocab_size}); the model's vocabulary is bytes 0..{vocab_size - 1} "
+                     f"(vocab_size={vocab_size}): pick data it can read, or a model with "
+                     f"vocab_size=256")
+
+
 def evaluate_bpc(model: nnx.Module, data: np.ndarray, *, context: int = 32256, stride: int = 512,
                  score_last: int | None = None, batch_size: int = 1, protocol: str = "sliding",
                  windows: Sequence[int] | None = None, mesh: jax.sharding.Mesh | None = None,
@@ -211,6 +229,7 @@ def evaluate_bpc(model: nnx.Module, data: np.ndarray, *, context: int = 32256, s
     the same mesh, e.g. by `evaluate_run` or the `Trainer`, for its attention to run per
     shard). batch_size is rounded up to a multiple of the row shards.
   """
+  check_bytes(data, model.config.vocab_size, "the data to score")
   total, count = evaluate_nll(model, data, context=context, stride=stride, score_last=score_last,
                               batch_size=batch_size, protocol=protocol, windows=windows,
                               mesh=mesh, progress=progress)
@@ -334,6 +353,12 @@ class CharLMTask(Task):
       if stage.windows is not None and len(stage.windows) != cfg.model.num_hidden_layers:
         raise ValueError(f"stages[{i}].windows has {len(stage.windows)} entries for a "
                          f"{cfg.model.num_hidden_layers}-layer model: {stage.windows}")
+    if cfg.model.vocab_size < 256:  # bytes beyond the vocabulary: refused before training
+      splits = ("train", "validation") + (
+          ((cfg.final_eval or {}).get("split", "test"),) if cfg.final_eval is not None else ())
+      for split in dict.fromkeys(splits):
+        check_bytes(self._split(cfg, split), cfg.model.vocab_size,
+                    f"{self.data_file or cfg.dataset} ({split} split)")
     if self.data_file is not None:  # a file's splits may be too small (the corpora are not)
       from longformer_jax.data import BatchSampler
       for i, stage in enumerate(cfg.stages):
@@ -347,13 +372,30 @@ class CharLMTask(Task):
         raise ValueError(f"{self.data_file}: its validation split (5% of its bytes) holds "
                          f"{len(self._valid_data)} byte(s); scoring needs at least 2")
 
+  def _split(self, cfg: TrainConfig, split: str) -> np.ndarray:
+    """The bytes of `split` (kept for training and validation, loaded when first needed)."""
+    if split == "train":
+      if self._train_data is None:
+        self._train_data = _load(cfg, "train")
+      return self._train_data
+    if split == "validation":
+      if self._valid_data is None:
+        self._valid_data = _load(cfg, "validation")
+      return self._valid_data
+    return split_of_file(self.data_file, split) if self.data_file else _load(cfg, split)
+
   def data_identity(self, cfg: TrainConfig) -> dict[str, Any]:
     """The training bytes' length and SHA-256 (a 90 MB split hashes in well under a second)."""
     if self._train_data is None:
       self._train_data = _load(cfg, "train")
     data = np.ascontiguousarray(self._train_data)
-    return {"train_bytes": int(data.size),
-            "train_sha256": hashlib.sha256(data.tobytes()).hexdigest()}
+    identity = {"train_bytes": int(data.size),
+                "train_sha256": hashlib.sha256(data.tobytes()).hexdigest()}
+    if self.data_file is not None:
+      # Where the bytes were (eval.bpc scores the run's own data by default); not part of what
+      # fixes the run: the same bytes elsewhere are the same data (training.identity.FREE_KEYS).
+      identity["data_file"] = os.path.abspath(self.data_file)
+    return identity
 
   def build_model(self, config: CharLMConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
                   seq_axis: str | None = None) -> LongformerForCausalLM:
@@ -419,6 +461,41 @@ def split_of_file(path: str, split: str) -> np.ndarray:
   data = np.frombuffer(epath.Path(path).read_bytes(), np.uint8)
   start, stop = split_bounds(len(data))[split]
   return data[start:stop].copy()
+
+
+def run_data(record: dict, cfg: TrainConfig, split: str, data_dir: str | None = None
+             ) -> tuple[np.ndarray, dict[str, Any], str]:
+  """(bytes, {"data_file" or "dataset", "split"}, a name for file names) of `split` of the data a
+  run trained on, from its record: the file of a `--data-file` run (`split_of_file`), else its
+  dataset. Either is checked to be the data the run trained on: the training split's length
+  and SHA-256 against the record's (a file changed since, or a record of a `--data-file` run
+  that does not name its file, would else be scored as if it were the run's data). Raises
+  FileNotFoundError / ValueError naming the data."""
+  from etils import epath
+  identity = record.get("data") or {}
+  data_file = identity.get("data_file")
+  if data_file is not None:
+    if not isinstance(data_file, str) or not epath.Path(data_file).is_file():
+      raise FileNotFoundError(f"the run trained on --data-file {data_file}, which is not there "
+                              f"now: give --file (or --dataset)")
+    train, what = split_of_file(data_file, "train"), f"--data-file {data_file}"
+    data = split_of_file(data_file, split)
+    source, name = {"data_file": data_file, "split": split}, f"file_{epath.Path(data_file).name}"
+  else:
+    from longformer_jax.data import load_split
+    dataset_dir = data_dir or cfg.data_dir
+    train, what = load_split(cfg.dataset, "train", dataset_dir), f"dataset {cfg.dataset}"
+    data = load_split(cfg.dataset, split, dataset_dir)
+    source, name = {"dataset": cfg.dataset, "split": split}, cfg.dataset
+  recorded = identity.get("train_sha256")
+  if recorded is not None and (
+      len(train) != identity.get("train_bytes")
+      or hashlib.sha256(np.ascontiguousarray(train).tobytes()).hexdigest() != recorded):
+    raise ValueError(f"the {what} is not the data the run trained on: its train split has "
+                     f"{len(train):,} bytes and another SHA-256 than the run recorded "
+                     f"({identity.get('train_bytes'):,} bytes, sha256 {recorded[:16]}...); "
+                     f"give --file or --dataset to score other data")
+  return data, source, f"{name}_{split}"
 
 
 def _load(cfg: TrainConfig, split: str) -> np.ndarray:

@@ -433,6 +433,51 @@ def evaluation_only(task: str, cfg: TrainConfig, source: ModelSource | None, wor
                                     progress=progress)
 
 
+# What `--eval-only` of a trained run may change: how the checkpoint is evaluated (the batch, the
+# device layout, the attention implementation and rematerialisation, which compute the same
+# function; global attention placement and answer decoding among the options), never the
+# model's weights or architecture nor the data it was trained on.
+EVAL_ONLY_SETTINGS = ("eval_batch_size", "mesh_shape", "logical_rules", "model.attention_impl",
+                      "model.remat")
+EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length")
+
+
+def _changes(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+  """{dotted path: (old, new)} of the fields where two values of a (nested) frozen dataclass
+  differ; tuples of dataclasses (stages) by index."""
+  if dataclasses.is_dataclass(old) and type(old) is type(new):
+    out = {}
+    for f in dataclasses.fields(old):
+      out.update(_changes(getattr(old, f.name), getattr(new, f.name), f"{prefix}{f.name}."))
+    return out
+  if (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == len(new)
+          and any(dataclasses.is_dataclass(x) for x in old)):
+    out = {}
+    for i, (a, b) in enumerate(zip(old, new)):
+      out.update(_changes(a, b, f"{prefix}{i}."))
+    return out
+  return {} if old == new else {prefix.rstrip("."): (old, new)}
+
+
+def eval_only_changes(run_cfg: TrainConfig, cfg: TrainConfig, run_options: FinetuneOptions,
+                      options: FinetuneOptions) -> dict[str, Any]:
+  """{setting: value} of what an evaluation of a trained run changes of the run's settings
+  (`cfg`, `options` against the run's own), each among `EVAL_ONLY_SETTINGS` /
+  `EVAL_ONLY_OPTIONS`. Any other change is a ValueError naming it: scoring the checkpoint with
+  another model (a --set model.layer_norm_eps, a new head size) or on data featurised otherwise
+  (max_question_length, label_names) would report a number that is not the run's."""
+  changed = {**_changes(run_cfg, cfg), **_changes(run_options, options)}
+  refused = [f"{k}: {old!r} -> {new!r}" for k, (old, new) in sorted(changed.items())
+             if k not in EVAL_ONLY_SETTINGS + EVAL_ONLY_OPTIONS]
+  if refused:
+    raise ValueError(
+        f"--eval-only scores the run's own model on data read as it trained: "
+        f"{'; '.join(refused)} would change its weights, architecture or data; only "
+        f"{', '.join(EVAL_ONLY_SETTINGS + EVAL_ONLY_OPTIONS)} may differ (train a new run to "
+        f"change the others)")
+  return {k: new for k, (_, new) in sorted(changed.items())}
+
+
 def starting_params(source: ModelSource, task: FinetuneTask, cfg: TrainConfig
                     ) -> dict[str, Any]:
   """A new run's parameters: the encoder from `source`, the head anew where it has none
@@ -572,9 +617,9 @@ def initial_params(source: ModelSource, model: nnx.Module) -> dict[str, Any]:
 
 __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
-    "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging",
-    "best_spans", "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head", "get_kind",
-    "initial_model", "initial_params", "keep_tokenizer", "load_source", "macro_f1",
+    "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging", "best_spans",
+    "eval_only_changes", "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head",
+    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "load_source", "macro_f1",
     "new_run_config", "normalize_answer", "predict", "read_splits", "register", "run_settings",
     "score", "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
     "tagging_scores", "training_task",

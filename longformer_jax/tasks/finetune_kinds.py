@@ -256,11 +256,16 @@ class Classification(Kind):
     return {**metrics, "f1": macro_f1(gold, predicted)}, records
 
   def num_labels(self, splits, source):
-    """The source's own head size when it is a classifier whose classes cover the labels, else
-    the largest label + 1 (at least 2)."""
+    """The source's own head size when it is a classifier whose classes cover the labels (the
+    classes it declares), else the largest label + 1 (at least 2), the labels being the dense
+    range 0..K-1 (`fd.check_dense_labels`; each below `fd.MAX_LABELS`, checked when read)."""
     largest = max(e.label for split in splits for e in split.examples)
     if source.model_class == self.model_class.__name__ and largest < source.config.num_labels:
       return source.config.num_labels
+    split = max(splits, key=lambda split: max(e.label for e in split.examples))
+    line = next(e.line for e in split.examples if e.label == largest)
+    fd.check_dense_labels(split.path, line, "label", largest,
+                          {e.label for split in splits for e in split.examples})
     return max(2, largest + 1)
 
   def check_labels(self, split, config):
@@ -473,14 +478,17 @@ class Tagging(Kind):
   def tag_names(paths: Sequence[str | os.PathLike]) -> tuple[tuple[str, ...], bool]:
     """(names, from_ints): the tags of the files, in id order: their string labels sorted (with
     "O" first when present), or "0".."K" for integer labels (then from_ints)."""
-    strings, largest = set(), -1
+    strings, largest, ints, where = set(), -1, set(), None
     for path in paths:
       for record in text.read_jsonl(path, {"labels": list}):
         for i, label in enumerate(record.fields["labels"]):
           if isinstance(label, str) and label.strip():
             strings.add(label)
           elif isinstance(label, int) and not isinstance(label, bool) and label >= 0:
-            largest = max(largest, label)
+            fd.check_label_bound(os.fspath(path), record.line, "labels", label)
+            ints.add(label)
+            if label > largest:
+              largest, where = label, (os.fspath(path), record.line)
           else:
             raise text.JsonlError(os.fspath(path), record.line, "labels",
                                   f"element {i} must be a non-empty string or an integer >= 0, "
@@ -490,6 +498,8 @@ class Tagging(Kind):
                                 "mixes string and integer labels (the files must use one kind)")
     if strings:
       return tuple(sorted(strings, key=lambda s: (s != "O", s))), False
+    if where is not None:
+      fd.check_dense_labels(*where, "labels", largest, ints)
     return tuple(str(i) for i in range(largest + 1)), True
 
   def targets(self, split, examples):

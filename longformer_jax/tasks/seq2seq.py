@@ -150,10 +150,10 @@ def read_pairs(path: str | os.PathLike, tokenizer, *, max_source_length: int,
   records = text.read_jsonl(path, {"source": str, "target": str}, optional={"id": (str, int)},
                             unique=("id",))
   sources = text.encode(tokenizer, [r.fields["source"] for r in records],
-                        max_length=max_source_length)
+                        max_length=max_source_length, what=f"the sources of {path}")
   targets = []
   for ids in text.encode(tokenizer, [r.fields["target"] for r in records],
-                         max_length=max_target_length):
+                         max_length=max_target_length, what=f"the targets of {path}"):
     if not len(ids) or ids[-1] != eos_token_id:
       ids = np.append(ids[:max_target_length - 1], np.int32(eos_token_id))
     targets.append(ids.astype(np.int32))

@@ -40,6 +40,9 @@ FREE = frozenset({
     "keep_checkpoints", "async_checkpoints", "final_eval", "mesh_shape", "logical_rules",
     "microbatch_size", "data_dir",
 })
+# Fields of the data's identity that say where the data was, not what it is (its length and
+# SHA-256 do): free as well.
+FREE_KEYS = frozenset({"data.data_file"})
 # Optimiser settings, and the fields of a started stage, that may change when asked for.
 ON_REQUEST = frozenset({"weight_decay", "clip_norm", "adam_b1", "adam_b2", "adam_eps"})
 ON_REQUEST_STAGE = frozenset({"learning_rate", "end_learning_rate", "warmup_steps"})
@@ -101,7 +104,7 @@ def check_resume(stored: Mapping[str, Any], new: Mapping[str, Any], *, step: int
   new_flat = _flatten({**ADDED_LATER, **{k: v for k, v in new.items() if k != "stages"}})
   for key in sorted(set(old_flat) | set(new_flat)):
     old, value = old_flat.get(key, "<missing>"), new_flat.get(key, "<missing>")
-    if _same(old, value) or key.split(".")[0] in FREE:
+    if _same(old, value) or key.split(".")[0] in FREE or key in FREE_KEYS:
       continue
     (accepted if _on_request(key) and key in allow else refused).append(
         _change(key, old, value))
@@ -159,7 +162,8 @@ def _fixed(record: Mapping[str, Any]) -> dict[str, Any]:
   first = (list(record.get("stages") or []) or [{}])[0]
   flat.update({f"stages.0.{k}": v for k, v in first.items()
                if k != "steps" and k not in ON_REQUEST_STAGE and k not in KEPT_BY_LOOP})
-  return {k: v for k, v in flat.items() if k.split(".")[0] not in FREE and k not in ON_REQUEST}
+  return {k: v for k, v in flat.items()
+          if k.split(".")[0] not in FREE and k not in FREE_KEYS and k not in ON_REQUEST}
 
 
 def check_record_file(found: Mapping[str, Any], sealed: Mapping[str, Any], *, path: str,

@@ -5,6 +5,11 @@
     python -m eval.bpc --workdir gs://bucket/char_small --preset paper   # 32,256 / 512
     python -m eval.bpc --workdir runs/char_tiny --file README.md --context 512 --stride 256
 
+Data: without --file or --dataset, the run's own: the file a `--data-file` run trained on (its
+record names it, and its training bytes must still be those the run recorded), else the run's
+dataset; --split (default test) picks the split. Bytes outside the model's vocabulary are
+refused, naming the first one and its position.
+
 Protocols: "sliding" (the paper's: windows of --context bytes moved --stride at a time, each
 scoring its last --stride predictions, the first window scoring all of its own) and "chunks"
 (non-overlapping windows of --context bytes). Without --context the run's own is taken, and one
@@ -87,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
   from longformer_jax.data import load_split
-  from longformer_jax.tasks.charlm import check_bpc_settings, describe, evaluate_run
+  from longformer_jax.tasks.charlm import (
+      check_bpc_settings, check_bytes, describe, evaluate_run, run_data)
   from longformer_jax.tasks.runs import read_run
   from longformer_jax.io import atomic_write, check_writable
   initialize_distributed(args)
@@ -98,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     check_bpc_settings(context=args.context, stride=args.stride, score_last=args.score_last,
                        batch_size=args.batch_size, protocol=args.protocol)
     try:
-      _, cfg = read_run(workdir, "charlm")
+      record, cfg = read_run(workdir, "charlm")
     except FileNotFoundError as e:
       return fail(e)  # no run there (status 1, as no checkpoint that restores)
-    if args.file is not None:
+    if args.file is None and args.dataset is None:
+      # The run's own data: its --data-file, else its dataset (`run_data` checks which).
+      data, source, name = run_data(record, cfg, args.split or "test", args.data_dir)
+    elif args.file is not None:
       if not epath.Path(args.file).is_file():
         raise FileNotFoundError(f"--file {args.file}: no such file")
       data = np.frombuffer(epath.Path(args.file).read_bytes(), np.uint8)
@@ -114,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
       name = f"{dataset}_{split}"
     if args.max_bytes is not None:
       data = data[:args.max_bytes]
+    check_bytes(data, cfg.model.vocab_size, args.file or name)
     if data.size < 2:
       raise ValueError(f"{args.file or name} holds {data.size} byte(s) to score; a prediction "
                        f"needs at least 2")

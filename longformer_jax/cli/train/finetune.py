@@ -21,7 +21,9 @@ to 0, rows of --max-length tokens (default: the model's positions); rerunning re
 
 Writes into --workdir (each file whole or not at all): checkpoints/, run_config.json,
 tokenizer.json (--tokenizer's), metrics.jsonl, curves.png, predictions_<split>.jsonl, results.json;
---eval-only (the run's length and tokenizer; others are refused) eval_results.json and eval_*.
+--eval-only (the run's model, length, tokenizer and data settings; a --set that changes them is
+refused, one that changes only how it is evaluated, e.g. global_attention or eval_batch_size, is
+recorded under "changed_settings") eval_results.json and eval_*.
 Exit status: 0 done; 75 stopped by SIGTERM after saving its step (rerun to resume); 1 the run
 failed, or another job holds the workdir (one `error:` line); 2 a bad command line, setting,
 model, tokenizer, data file, mesh or workdir (one line, before training).
@@ -81,11 +83,14 @@ class Finetune(TrainCommand):
     from longformer_jax import checkpoint
     from longformer_jax.data.tokenizer import load_tokenizer
     from longformer_jax.tasks import finetune
-    self.source = self.run = None
+    self.source = self.run = self.run_options = None
+    self.eval_changes = {}
     if args.eval_only and checkpoint.checkpoint_steps(workdir / checkpoint.CHECKPOINTS):
-      # The run's settings, length, tokenizer; --set may change the evaluation's (global_attention)
+      # The run's settings, length, tokenizer; --set may change only how it is evaluated
+      # (`finetune.eval_only_changes`, checked in finish_config).
       self.run, options, self.tokenizer = finetune.run_settings(
           workdir, args.task, args.max_length, args.tokenizer)
+      self.run_options = options
       return options
     self.tokenizer = None if args.tokenizer is None else load_tokenizer(args.tokenizer)
     return FinetuneOptions()
@@ -105,6 +110,8 @@ class Finetune(TrainCommand):
   def finish_config(self, args, cfg, options, workdir):
     from longformer_jax.data.tokenizer import check_tokenizer
     from longformer_jax.tasks import finetune
+    if self.run is not None:
+      self.eval_changes = finetune.eval_only_changes(self.run, cfg, self.run_options, options)
     if self.tokenizer is not None:
       check_tokenizer(self.tokenizer, cfg.model)
     files = {"train": None if args.eval_only else args.train, "validation": args.validation,
@@ -124,7 +131,8 @@ class Finetune(TrainCommand):
       evaluate = finetune.evaluation_only(
           args.task, cfg, self.source, workdir, self.splits, global_attention=mode,
           options=options, progress=not args.no_progress)
-      origin = {"workdir": str(workdir)} if self.run is not None else {"model": args.model}
+      origin = ({"workdir": str(workdir), "changed_settings": self.eval_changes}
+                if self.run is not None else {"model": args.model})
       return Plan(None, {"task": args.task, **origin, "global_attention": mode,
                          "eval_only": True}, evaluate=evaluate, lines=lines)
     task = finetune.training_task(args.task, self.splits, cfg, source=self.source,
