@@ -38,6 +38,7 @@ embedding width (3 E + feature_size) and G gold mentions.
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,7 @@ from longformer_jax import coref_spans
 from longformer_jax.config import LongformerConfig
 from longformer_jax.layers import dense, embed
 from longformer_jax.modeling import LongformerModel, check_ids
+from longformer_jax.ops.validation import check_mask_values
 
 __all__ = [
     "GENRES", "CorefConfig", "CorefOutput", "LongformerForCoreference", "antecedent_labels",
@@ -86,8 +88,8 @@ class CorefConfig:
   Attributes:
     encoder: the Longformer encoder's config.
     max_span_width: W, the longest candidate span in tokens (30).
-    top_span_ratio: spans kept per real token (0.4); values above 1 are allowed (up to W keeps
-      every candidate: no pruning).
+    top_span_ratio: spans kept per real token (0.4; `keep_count`); values above 1 are allowed
+      (W keeps every candidate: no pruning).
     max_top_spans: the cap on kept spans per document (3,900).
     max_antecedents: K, the antecedents scored finely per kept span (50).
     ffnn_size, ffnn_depth: the hidden width and number of hidden layers of the mention and
@@ -125,6 +127,9 @@ class CorefConfig:
         or ratio <= 0):
       raise ValueError(f"CorefConfig.top_span_ratio must be a finite number > 0 (spans kept per "
                        f"token), got {ratio!r}")
+    if ratio < 1e-3:
+      raise ValueError(f"CorefConfig.top_span_ratio must be at least 0.001 (read as a fraction "
+                       f"of denominator <= 1000), got {ratio!r}")
     if not isinstance(self.use_speakers, bool):
       raise ValueError(f"CorefConfig.use_speakers must be a bool, got {self.use_speakers!r}")
     if (not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool)
@@ -144,10 +149,21 @@ class CorefConfig:
   def param_dtype(self):
     return self.encoder.param_dtype
 
+  def keep_count(self, num_tokens):
+    """min(floor(top_span_ratio * num_tokens), max_top_spans): the spans a document of that many
+    real tokens keeps, for a Python int or an int array (under jit too). The ratio is read as
+    the nearest fraction p / q with q <= 1000 and the product taken in exact integer
+    arithmetic, so the host and the compiled step agree on every length (0.4 is 2 / 5)."""
+    ratio = fractions.Fraction(self.top_span_ratio).limit_denominator(1000)
+    p, q = ratio.numerator, ratio.denominator
+    # (n // q) * p + (n % q) * p // q == floor(n * p / q), with no product past int32.
+    count = (num_tokens // q) * p + (num_tokens % q) * p // q
+    return (min(count, self.max_top_spans) if isinstance(count, int)
+            else jnp.minimum(count, self.max_top_spans))
+
   def num_top_spans(self, num_tokens: int) -> int:
-    """The static k of a padded length: min(floor(ratio * N), max_top_spans, N * W), at least 1."""
-    return max(1, min(int(math.floor(self.top_span_ratio * num_tokens)), self.max_top_spans,
-                      num_tokens * self.max_span_width))
+    """The static k of a padded length N: min(keep_count(N), N * W), at least 1."""
+    return max(1, min(self.keep_count(num_tokens), num_tokens * self.max_span_width))
 
   def replace(self, **changes) -> CorefConfig:
     return dataclasses.replace(self, **changes)
@@ -279,6 +295,7 @@ class LongformerForCoreference(nnx.Module):
     """
     ids_BxN = check_ids(input_ids, 2, "[batch, seq]")
     b, n = ids_BxN.shape
+    check_mask_values("attention_mask", attention_mask)
     mask_BxN = (jnp.ones((b, n), bool) if attention_mask is None
                 else jnp.asarray(attention_mask) != 0)
     sentence_BxN = (jnp.zeros((b, n), jnp.int32) if sentence_ids is None
@@ -359,9 +376,7 @@ class LongformerForCoreference(nnx.Module):
     # count and valid, then re-sorted by candidate index (= by start, then end) with the
     # dropped ones last.
     k = c.num_top_spans(n)
-    num_real_B = jnp.sum(mask_BxN, axis=1)
-    keep_count_B = jnp.minimum(jnp.floor(c.top_span_ratio * num_real_B).astype(jnp.int32),
-                               c.max_top_spans)
+    keep_count_B = c.keep_count(jnp.sum(mask_BxN, axis=1, dtype=jnp.int32))
     top_score_BxM, top_index_BxM = jax.lax.top_k(mention_BxC, k)
     keep_BxM = ((jnp.arange(k)[None, :] < keep_count_B[:, None])
                 & _gather(valid_BxC, top_index_BxM))

@@ -4,6 +4,7 @@ against a numpy enumeration, oracle scores through `predict_clusters` and `coref
 with gradients, and padding that changes nothing for the real tokens. Tiny shapes: most tests
 run the head (`score_spans`) on random token states, two run the whole model."""
 
+import fractions
 import json
 import math
 
@@ -65,6 +66,7 @@ def _kept(out, b=0):
     (dict(max_antecedents=2.0), ValueError, "max_antecedents must be a positive int"),
     (dict(top_span_ratio=0.0), ValueError, "top_span_ratio must be a finite number > 0"),
     (dict(top_span_ratio=math.inf), ValueError, "top_span_ratio must be a finite number > 0"),
+    (dict(top_span_ratio=1e-4), ValueError, "top_span_ratio must be at least 0.001"),
     (dict(ffnn_depth=-1), ValueError, "ffnn_depth must be an int >= 0, got -1"),
     (dict(dropout=1.0), ValueError, r"dropout must be in \[0, 1\), got 1.0"),
     (dict(use_speakers="yes"), ValueError, "use_speakers must be a bool"),
@@ -86,6 +88,14 @@ def test_config_round_trips_through_json_and_sizes_k():
           base.max_antecedents) == (30, 0.4, 3900, 50)
   assert base.num_top_spans(4096) == 1638 and base.num_top_spans(100_000) == 3900
   assert NO_PRUNING.num_top_spans(10) == 10 * W  # every candidate
+  # Kept counts are exact floors, the same on the host and under jit (0.7 * 10 is 6.99999988
+  # in float32: a float product would keep 6).
+  for ratio in (0.4, 0.7, 0.35, 1.0, 2.5):
+    config = coref.CorefConfig.tiny(top_span_ratio=ratio, max_top_spans=3900)
+    lengths = np.arange(0, 5000, 7, dtype=np.int32)
+    expected = [min(int(math.floor(fractions.Fraction(str(ratio)) * n)), 3900) for n in lengths]
+    assert [config.keep_count(int(n)) for n in lengths] == expected
+    assert np.asarray(jax.jit(config.keep_count)(lengths)).tolist() == expected
   with pytest.raises(TypeError, match="takes a CorefConfig, got LongformerConfig"):
     coref.LongformerForCoreference(ENCODER, rngs=nnx.Rngs(0))
   assert coref.genre_id("nw/wsj/00/wsj_0001_0") == 3 and coref.genre_id("xx/a") == 0
@@ -268,11 +278,11 @@ def test_jit_gradients_and_padding_that_changes_nothing():
   def loss_and_grad(model, ids, mask, sentences, speakers):
     def loss_fn(model):
       out = model(ids, mask, sentences, speakers, jnp.array([1]))
-      return coref.coref_loss(out, **gold)[0]
-    return nnx.value_and_grad(loss_fn)(model)
+      return coref.coref_loss(out, **gold)[0], out
+    return nnx.value_and_grad(loss_fn, has_aux=True)(model)
 
   mask = np.ones((1, n), int)
-  loss, grads = loss_and_grad(model, ids, mask, sentences, speakers)
+  (loss, short), grads = loss_and_grad(model, ids, mask, sentences, speakers)
   assert np.isfinite(float(loss)) and float(loss) > 0
   leaves = jax.tree.leaves(nnx.state(grads, nnx.Param))
   assert all(np.isfinite(np.asarray(g)).all() for g in leaves)
@@ -280,7 +290,6 @@ def test_jit_gradients_and_padding_that_changes_nothing():
   assert np.abs(np.asarray(grads.antecedent_ffnn.out.kernel[...])).sum() > 0
   assert np.abs(np.asarray(grads.longformer.embeddings.word_embeddings.embedding[...])).sum() > 0
 
-  short = forward(model, ids, mask, sentences, speakers)
   padded = forward(model, np.pad(ids, ((0, 0), (0, pad)), constant_values=ENCODER.pad_token_id),
                    np.pad(mask, ((0, 0), (0, pad))),
                    np.pad(sentences, ((0, 0), (0, pad)), mode="edge"),
