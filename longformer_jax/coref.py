@@ -211,6 +211,8 @@ class CorefOutput:
   antecedent_mask: jax.Array  # bool [B, M, K]
   antecedent_scores: jax.Array  # float32 [B, M, K + 1], column 0 the dummy (0)
   candidate_mention_scores: jax.Array  # float32 [B, C], -1e9 where the span is not valid
+  max_span_width: int = flax.struct.field(pytree_node=False)  # W: candidate c is the span
+  # c // W .. c // W + c % W
   hidden_states: tuple[jax.Array, ...] | None = None
   attentions: tuple[jax.Array, ...] | None = None
 
@@ -429,7 +431,7 @@ class LongformerForCoreference(nnx.Module):
         top_span_indices=top_index_BxM, top_span_mask=keep_BxM,
         top_span_mention_scores=top_score_BxM, antecedents=ant_BxMxK,
         antecedent_mask=ant_mask_BxMxK, antecedent_scores=scores_BxMxK1,
-        candidate_mention_scores=mention_BxC)
+        candidate_mention_scores=mention_BxC, max_span_width=w)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -469,11 +471,8 @@ def antecedent_labels(output: CorefOutput, gold_starts, gold_ends, gold_cluster_
 
   gold_starts, gold_ends, gold_cluster_ids: int [B, G] (`gold_arrays` per row), id 0 padding.
   """
-  ids_BxG = jnp.asarray(gold_cluster_ids)
-  match_BxMxG = ((output.top_span_starts[:, :, None] == jnp.asarray(gold_starts)[:, None, :])
-                 & (output.top_span_ends[:, :, None] == jnp.asarray(gold_ends)[:, None, :])
-                 & (ids_BxG[:, None, :] > 0))
-  cluster_BxM = jnp.max(jnp.where(match_BxMxG, ids_BxG[:, None, :], 0), axis=2, initial=0)
+  cluster_BxM = _gold_cluster_of(output.top_span_starts, output.top_span_ends, gold_starts,
+                                 gold_ends, gold_cluster_ids)
   cluster_BxM = jnp.where(output.top_span_mask, cluster_BxM, 0)
   same_BxMxK = ((_gather(cluster_BxM, output.antecedents) == cluster_BxM[:, :, None])
                 & (cluster_BxM[:, :, None] > 0) & output.antecedent_mask)
@@ -481,15 +480,45 @@ def antecedent_labels(output: CorefOutput, gold_starts, gold_ends, gold_cluster_
   return jnp.concatenate([dummy_BxMx1, same_BxMxK], axis=2)
 
 
-def coref_loss(output: CorefOutput, *, gold_starts, gold_ends, gold_cluster_ids) -> jax.Array:
+def _gold_cluster_of(starts, ends, gold_starts, gold_ends, gold_cluster_ids) -> jax.Array:
+  """The gold cluster id (0: none) of each span (starts, ends [B, I])."""
+  ids_BxG = jnp.asarray(gold_cluster_ids)
+  match_BxIxG = ((starts[:, :, None] == jnp.asarray(gold_starts)[:, None, :])
+                 & (ends[:, :, None] == jnp.asarray(gold_ends)[:, None, :])
+                 & (ids_BxG[:, None, :] > 0))
+  return jnp.max(jnp.where(match_BxIxG, ids_BxG[:, None, :], 0), axis=2, initial=0)
+
+
+def coref_loss(output: CorefOutput, *, gold_starts, gold_ends, gold_cluster_ids,
+               mention_weight: float = 0.0) -> jax.Array:
   """float32 [B]: per document, the sum over kept spans i of logsumexp(all scores of i) -
   logsumexp(scores of the gold antecedents of i) (`antecedent_labels`; the dummy when none):
-  the negative marginal log-likelihood of the gold antecedents (Lee et al. 2017)."""
+  the negative marginal log-likelihood of the gold antecedents (Lee et al. 2017), the
+  reference's loss.
+
+  mention_weight: when > 0, adds that weight times the binary cross-entropy of every valid
+  candidate's mention score against "is a gold mention" (summed over candidates): not in Lee et
+  al. or Joshi et al., whose loss reaches mention scores only through the kept spans' pairs;
+  it helps a small model from scratch, which can otherwise learn to prune every gold mention
+  (the antecedent loss alone is then near 0: every kept span's gold is the dummy).
+  """
   labels_BxMxK1 = antecedent_labels(output, gold_starts, gold_ends, gold_cluster_ids)
   scores = output.antecedent_scores.astype(jnp.float32)
   gold_lse_BxM = jax.nn.logsumexp(jnp.where(labels_BxMxK1, scores, _NEG), axis=2)
   loss_BxM = jax.nn.logsumexp(scores, axis=2) - gold_lse_BxM
-  return jnp.sum(jnp.where(output.top_span_mask, loss_BxM, 0.0), axis=1)
+  loss_B = jnp.sum(jnp.where(output.top_span_mask, loss_BxM, 0.0), axis=1)
+  if mention_weight:
+    w = output.max_span_width
+    index_BxC = jnp.broadcast_to(jnp.arange(output.candidate_mention_scores.shape[1]),
+                                 output.candidate_mention_scores.shape)
+    starts_BxC = index_BxC // w
+    gold_BxC = _gold_cluster_of(starts_BxC, starts_BxC + index_BxC % w, gold_starts, gold_ends,
+                                gold_cluster_ids) > 0
+    mention_BxC = output.candidate_mention_scores
+    valid_BxC = mention_BxC > _NEG / 2
+    bce_BxC = jax.nn.softplus(jnp.where(gold_BxC, -mention_BxC, mention_BxC))
+    loss_B = loss_B + mention_weight * jnp.sum(jnp.where(valid_BxC, bce_BxC, 0.0), axis=1)
+  return loss_B
 
 
 def predict_clusters(output: CorefOutput) -> list[list[list[tuple[int, int]]]]:

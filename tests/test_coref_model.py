@@ -223,6 +223,15 @@ def test_loss_equals_numpy_enumeration():
   labels = np.asarray(coref.antecedent_labels(out, **gold)[0])
   assert labels[:, 1:].any() and labels[:, 0].any()
   assert (labels.sum(axis=1) >= 1).all()
+  # The optional mention loss: binary cross-entropy of every valid candidate.
+  candidates = _brute_force_spans(sentence_ids[0].tolist(), mask[0].tolist(), W)
+  mention_scores = np.asarray(out.candidate_mention_scores[0], np.float64)
+  gold_mentions = {tuple(span) for cluster in clusters for span in cluster}
+  bce = sum(math.log1p(math.exp(-score if span in gold_mentions else score))
+            for span in candidates
+            for score in [mention_scores[span[0] * W + span[1] - span[0]]])
+  with_mentions = coref.coref_loss(out, **gold, mention_weight=0.5)
+  np.testing.assert_allclose(float(with_mentions[0]), expected + 0.5 * bce, rtol=1e-5)
   with pytest.raises(ValueError, match="hold 7 mentions, more than max_mentions=6"):
     coref.gold_arrays(clusters, 6)
 
