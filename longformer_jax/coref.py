@@ -7,6 +7,7 @@ padded length.
   LongformerForCoreference  encoder + span scorer: kept spans, their antecedents and scores
   CorefOutput               what the model returns
   coref_loss                the marginal log-likelihood of the gold antecedents, per document
+                            (optionally plus a mention-detection loss: `mention_weight`)
   antecedent_labels         which antecedents (dummy included) are gold
   gold_arrays               a document's gold clusters as the padded arrays the loss reads
   predict_clusters          clusters of the argmax links (transitive closure), per document
@@ -28,7 +29,11 @@ The model, per document of N tokens (no global attention):
      not given contributes zeros;
   7. a dummy antecedent ("no antecedent") scored 0 in column 0.
 Left out from the reference code: the non-crossing constraint of its span pruning, higher-order
-inference (coref_depth > 1) and the segment-distance feature.
+inference (coref_depth > 1) and the segment-distance feature. Memory: span embeddings and the
+mention FFNN cover all C = N * W grid entries, valid or not (the reference keeps only valid
+ones); at N = 4,096, W = 30, hidden 768 and FFNN width 3,000 that is about 1.1 GB of span
+embeddings and 1.5 GB of FFNN activations per document in float32, and the pairwise FFNN input
+[M, K, 3 U + 3 features] about 2.3 GB at M = 1,638, K = 50.
 
 Shape letters: the alphabet of `longformer_jax.ops`, with `coref_spans`'s meanings (N tokens,
 W widths, M kept spans, K antecedents per kept span), C candidate spans (N * W), U the span
