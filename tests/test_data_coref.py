@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from longformer_jax import coref_spans
-from longformer_jax.data import coref, text
+from longformer_jax.data import coref, coref_generate, text
 from longformer_jax.tasks import coref_scores
 
 pytestmark = pytest.mark.unit
@@ -283,3 +283,120 @@ def test_clusters_from_antecedents_refuses(starts, ends, antecedents, problem):
     coref_spans.clusters_from_antecedents(starts, ends, antecedents)
   assert problem in str(info.value)
 
+
+
+# ----------------------------------------------------------------------------------------------
+# Generated documents (`data.coref_generate`)
+
+
+def _generated(**changes):
+  kwargs = dict(seed=3, num_words=1200, num_entities=4, max_mentions=4, min_gap=300)
+  return coref_generate.generate_documents(2, **{**kwargs, **changes})
+
+
+def test_generated_documents_round_trip_through_conll(tmp_path):
+  docs = _generated()
+  path = tmp_path / "gen.v4_gold_conll"
+  coref_generate.write_conll(path, docs)
+  back = coref.read_conll(path)
+  assert [dataclasses.replace(d, source="") for d in back] == docs
+  assert back[0].doc_key == "nw/generated/00/generated_0000_0" and back[0].genre == "nw"
+  assert set(back[0].speakers) == {"Speaker#1", "Speaker#2"}
+  with pytest.raises(ValueError, match="must end in '_N'"):
+    coref_generate.conll_text([dataclasses.replace(docs[0], doc_key="nw/x")])
+
+
+def _pieces(word):
+  # A word-piece split: chunks of 3 characters, continuations marked "##".
+  return [word[:3]] + ["##" + word[i:i + 3] for i in range(3, len(word), 3)]
+
+
+@pytest.mark.parametrize("subtokenize", [None, _pieces])
+def test_generated_documents_round_trip_through_jsonlines(tmp_path, subtokenize):
+  docs = _generated()
+  path = tmp_path / "gen.128.jsonlines"
+  coref_generate.write_jsonlines(path, docs, segment_length=128, subtokenize=subtokenize)
+  for doc, back in zip(docs, coref.read_jsonlines(path)):
+    assert back.doc_key == doc.doc_key and len(back.segment_lengths) > 9
+    assert max(back.segment_lengths) <= 128
+    start = 0
+    for length in back.segment_lengths:
+      segment = back.tokens[start:start + length]
+      assert segment[0] == "[CLS]" and segment[-1] == "[SEP]"
+      # Segments end at sentence ends: the next segment starts a new sentence.
+      if start + length < len(back.tokens):
+        assert back.sentence_ids[start + length + 1] > back.sentence_ids[start + length - 2]
+      start += length
+    real = [i for i, t in enumerate(back.tokens) if t not in ("[CLS]", "[SEP]")]
+    split = subtokenize or (lambda w: [w])
+    assert [back.tokens[i] for i in real] == [p for w in doc.tokens for p in split(w)]
+    assert [doc.sentence_ids[back.word_ids[i]] for i in real] == [back.sentence_ids[i]
+                                                                  for i in real]
+    assert [back.speakers[i] for i in real] == [doc.speakers[back.word_ids[i]] for i in real]
+    # Subtoken clusters map back to the word clusters, and cover whole words.
+    words = tuple(tuple((back.word_ids[s], back.word_ids[e]) for s, e in c)
+                  for c in back.clusters)
+    assert words == doc.clusters
+    for cluster in back.clusters:
+      for s, e in cluster:
+        assert back.word_ids[s - 1] != back.word_ids[s] or back.tokens[s - 1] == "[CLS]"
+        assert back.word_ids[e + 1] != back.word_ids[e] or back.tokens[e + 1] == "[SEP]"
+
+
+def test_generated_gold_by_construction():
+  docs = _generated()
+  assert docs == _generated() and docs != _generated(seed=4)  # seeded
+  for doc in docs:
+    assert len(doc.clusters) == 4
+    names, roles = set(), set()
+    covered: set[int] = set()
+    for cluster in doc.clusters:
+      assert 2 <= len(cluster) <= 4
+      first = doc.tokens[cluster[0][0]:cluster[0][1] + 1]
+      assert len(first) == 2 and first[0][0].isupper()  # the full name
+      appositive = doc.tokens[cluster[0][1] + 1:cluster[0][1] + 5]
+      assert appositive[:2] == (",", "the") and appositive[3] == ","
+      role = appositive[2]
+      assert role in coref_generate.ROLES and role not in roles and first not in names
+      roles.add(role)
+      names.add(first)
+      for s, e in cluster:
+        assert doc.tokens[s:e + 1] in (first, first[1:], ("the", role))
+        assert doc.sentence_ids[s] == doc.sentence_ids[e]
+        assert covered.isdisjoint(range(s, e + 1))  # mentions never overlap
+        covered.update(range(s, e + 1))
+      # Consecutive mentions are at least min_gap words apart.
+      assert all(b[0] - a[0] >= 300 for a, b in zip(cluster, cluster[1:]))
+    stats = coref_generate.link_stats(doc, segment_length=512, window=256)
+    assert stats["links"] == sum(len(c) - 1 for c in doc.clusters)
+    assert stats["beyond_window"] == stats["links"] and stats["crossing_segments"] > 0
+    # The gold against itself scores 1.
+    assert coref_scores(golds=[doc.clusters], predictions=[doc.clusters])["conll_f1"] == 1.0
+  # The Wikipedia sample as filler: its words, lowercase, beyond the fixed list.
+  wiki = _generated(source="text8_sample")[0]
+  filler = [w for w in wiki.tokens if w.islower()]
+  assert len(set(filler) - set(coref_generate.FILLER)) > 100
+
+
+@pytest.mark.parametrize("change, problem", [
+    (dict(num_entities=0), "num_entities must be an int >= 1, got 0"),
+    (dict(num_entities=99), "num_entities must be at most 24"),
+    (dict(max_mentions=1), "max_mentions must be an int >= 2, got 1"),
+    (dict(num_words=600), "num_words=600 cannot hold 4 mentions 300 words apart"),
+    (dict(source="wiki"), "source must be one of"),
+    (dict(genre="NW"), "genre must be two lowercase letters"),
+])
+def test_generate_documents_refuses(change, problem):
+  with pytest.raises(ValueError, match=problem):
+    _generated(**change)
+
+
+def test_write_corpus(tmp_path):
+  written = coref_generate.write_corpus(tmp_path / "corpus", {"train": 2, "dev": 1}, seed=5,
+                                        num_words=700, min_gap=200, max_mentions=3)
+  assert sorted(written) == ["dev", "train"]
+  train = coref.read_conll(written["train"]["conll"])
+  dev = coref.read_jsonlines(written["dev"]["jsonlines"])
+  assert [d.doc_key for d in train] == ["nw/train/00/train_0000_0", "nw/train/00/train_0001_0"]
+  assert [d.doc_key for d in dev] == ["nw/dev/00/dev_0000_0"]
+  assert written["dev"]["jsonlines"].endswith("dev.english.512.jsonlines")
