@@ -37,3 +37,33 @@ def test_special_tokens_at_other_ids_than_the_models_are_refused():
     tok.check_tokenizer(roberta, LongformerConfig.tiny())
   tok.check_tokenizer(roberta, LongformerConfig.tiny(bos_token_id=1, pad_token_id=2,
                                                      eos_token_id=3, sep_token_id=3))
+
+
+def test_tokenizer_files_are_regular_files_inside_their_directory(tmp_path):
+  """A tokenizer is read as every file of a model directory is (docs/checkpoints.md): a FIFO
+  named tokenizer.json is refused at once instead of blocking the load, a tokenizer.json that
+  links out of its directory is refused, and a real one still loads."""
+  import os
+  real = tmp_path / "real"
+  real.mkdir()
+  _tokenizer(["<s>", "<pad>", "</s>"]).save(str(real / "tokenizer.json"))
+  assert tok.load_tokenizer(real).token_to_id("</s>") == 3
+  assert tok.load_tokenizer(real / "tokenizer.json").token_to_id("</s>") == 3
+
+  fifo = tmp_path / "fifo"
+  fifo.mkdir()
+  os.mkfifo(fifo / "tokenizer.json")
+  with pytest.raises(ValueError, match="tokenizer.json is a FIFO, not a regular file"):
+    tok.load_tokenizer(fifo)
+
+  outside = tmp_path / "outside"
+  outside.mkdir()
+  (outside / "tokenizer.json").symlink_to(real / "tokenizer.json")
+  with pytest.raises(ValueError, match="outside"):
+    tok.load_tokenizer(outside)
+  escaping = tmp_path / "escaping"
+  escaping.mkdir()
+  (escaping / "vocab.json").symlink_to("/etc/hostname")
+  (escaping / "merges.txt").write_text("#version: 0.2\n")
+  with pytest.raises(ValueError, match="outside"):
+    tok.load_tokenizer(escaping)

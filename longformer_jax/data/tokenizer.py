@@ -30,6 +30,8 @@ import dataclasses
 import hashlib
 import os
 
+from longformer_jax import io
+
 __all__ = [
     "MODEL_SPECIAL_TOKENS", "ROBERTA_SPECIAL_TOKENS", "SpecialIds", "check_tokenizer",
     "copy_tokenizer", "encoding_errors", "load_tokenizer", "special_ids", "special_token_ids",
@@ -127,6 +129,9 @@ def _load_tokenizer(path):
   if (os.path.isdir(path) and not os.path.exists(os.path.join(path, "tokenizer.json"))
           and os.path.isfile(vocab) and os.path.isfile(merges)):
     from tokenizers import decoders, models, pre_tokenizers
+    # Checked as every file of a model directory is (docs/checkpoints.md): regular files inside
+    # the directory, a FIFO refused rather than waited on; then read by their real paths.
+    vocab, merges = (io.regular_file(f, io.links_root(path)) for f in (vocab, merges))
     tokenizer = tokenizers.Tokenizer(models.BPE.from_file(vocab, merges))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -134,12 +139,17 @@ def _load_tokenizer(path):
                                   if tokenizer.token_to_id(t) is not None])
     return tokenizer
   file = tokenizer_file(path)
-  if not os.path.isfile(file):
+  if not os.path.lexists(file):  # what is there but not a regular file: open_regular says so
     hint = (" (and no vocab.json + merges.txt of a byte-level BPE)"
             if os.path.isdir(path) else "")
     raise FileNotFoundError(f"{file}: no such tokenizer file{hint}")
+  directory = io.links_root(path) if os.path.isdir(path) else None
+  with io.open_regular(file, directory) as f:
+    content = f.read()
   try:
-    return tokenizers.Tokenizer.from_file(file)
+    return tokenizers.Tokenizer.from_str(content.decode("utf-8"))
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
   except Exception as e:  # the Rust side raises a bare Exception on a malformed file
     raise ValueError(f"{file} is not a tokenizers tokenizer.json: {e}") from None
 
