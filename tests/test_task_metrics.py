@@ -138,12 +138,10 @@ def test_normalisers_by_hand():
 
 
 def test_squad_normaliser_is_the_qa_kinds_one():
-  # The QA kind's own copy (tasks.finetune_kinds) must read answers the same way.
+  # One normaliser: the QA kind scores with this module's (tasks.finetune_kinds imports it).
   from longformer_jax.tasks import finetune_kinds
 
-  for s in ["The  Beatles!", "an apple a day", "U.S.", "rock-and-roll", "\u2018Hamlet\u2019",
-            "New_York", "  A  "]:
-    assert qa_metrics.normalize_answer(s) == finetune_kinds.normalize_answer(s), s
+  assert finetune_kinds.normalize_answer is qa_metrics.normalize_answer
 
 
 # ----------------------------------------------------------------------------------------------

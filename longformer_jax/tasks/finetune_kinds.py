@@ -20,7 +20,6 @@ import abc
 import collections
 import os
 import re
-import string
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -36,6 +35,7 @@ from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
 from longformer_jax.data.tokenizer import SpecialIds
 from longformer_jax.training.sources import ModelSource
+from longformer_jax.tasks.qa_metrics import normalize_answer
 
 # Logits of positions and candidates that cannot be chosen (float32: exp underflows to 0).
 _NEG = -1e9
@@ -694,14 +694,6 @@ def tagging_scores(gold: Sequence[Sequence[int]], predicted: Sequence[Sequence[i
     f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
     metrics.update(precision=precision, recall=recall, f1=f1)
   return metrics
-
-
-def normalize_answer(s: str) -> str:
-  """SQuAD v1.1's answer normalisation (its official evaluate script): lower case, punctuation
-  removed, the articles a/an/the removed, whitespace collapsed."""
-  s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
-  s = re.sub(r"\b(a|an|the)\b", " ", s)
-  return " ".join(s.split())
 
 
 def _f1(predicted: Sequence, gold: Sequence) -> float:
