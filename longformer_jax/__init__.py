@@ -9,6 +9,9 @@
   checkpoint    Orbax save/load of models and train states
   data          enwik8 / text8 (and the bundled samples), wikifil, the batch sampler
   training      mesh-sharded training with Orbax checkpoints (train/charlm.py runs it)
+
+`import longformer_jax` loads the library only (ops, models, conversion, checkpoints): the
+training engine and the tasks load when first used (`evaluate_bpc` is `tasks.charlm`'s).
 """
 
 # `ops` first: the model modules import it.
@@ -20,7 +23,6 @@ from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig, LEDConfig, LongformerConfig
 from longformer_jax.convert import bart_to_led, from_hf, roberta_to_longformer, to_hf
 from longformer_jax.encoder import LongformerEmbeddings, LongformerLayer
-from longformer_jax.tasks.charlm import evaluate_bpc
 from longformer_jax.led import (
     LEDForConditionalGeneration, LEDForQuestionAnswering, LEDModel)
 from longformer_jax.modeling import (
@@ -40,3 +42,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+  # The char LM's BPC evaluation lives with its task (tasks.charlm, on the training engine):
+  # imported on first use so that importing the package loads no training code.
+  if name == "evaluate_bpc":
+    from longformer_jax.tasks.charlm import evaluate_bpc
+    return evaluate_bpc
+  raise AttributeError(f"module 'longformer_jax' has no attribute {name!r}")

@@ -4,13 +4,15 @@
                                 id) -> our NNX model; `Class.from_pretrained` runs it
   to_hf(model)                  our NNX model -> HF PyTorch model of the same class
   hf_state_dict(model)          our NNX model -> its weights by HF name, in HF's shapes
+  save_pretrained(model, dir)   our NNX model -> an HF checkpoint directory, no torch
+                                (`model.save_pretrained(dir)` runs it)
   config_to_hf_dict(config)     our config -> the `config.json` dict HF reads
   roberta_to_longformer(source) HF RoBERTa -> our Longformer, by the paper's recipe
                                 (docs/design.md §5.3)
   bart_to_led(source)           HF BART -> our LED, by the paper's recipe (paper §6)
 
 A directory holds `config.json` and `model.safetensors` (or its sharded index) or
-`pytorch_model.bin`; `model.save_pretrained(directory)` writes the first two. Reading and writing
+`pytorch_model.bin`; `save_pretrained` writes the first two. Reading and writing
 safetensors needs only the `safetensors` package; torch is needed for `.bin` files, model objects
 and `to_hf`. A string that is not a local directory is an HF Hub id, fetched (safetensors files
 only, unless the repo has none and torch is installed) with `huggingface_hub.snapshot_download`
@@ -41,7 +43,9 @@ from flax import nnx
 
 from longformer_jax import led, modeling
 from longformer_jax.config import MAX_LAYERS, MAX_POSITIONS, LEDConfig, LongformerConfig
-from longformer_jax.io import inside, links_root, open_regular, read_json_object, regular_file
+from longformer_jax import pretrained
+from longformer_jax.io import (
+    atomic_write, inside, links_root, open_regular, read_json_object, regular_file)
 from longformer_jax.modeling import LongformerModel
 
 # HF LongformerConfig defaults, for config.json files that leave fields out.
@@ -718,6 +722,29 @@ def hf_state_dict(model: nnx.Module) -> dict[str, np.ndarray]:
   return state
 
 
+def save_pretrained(model: nnx.Module, directory: str | os.PathLike) -> None:
+  """Writes `directory/config.json` and `directory/model.safetensors` as HF's `save_pretrained`
+  writes them for the HF class of `model`'s name (float32 weights, tied copies left out), so that
+  transformers' `from_pretrained(directory)` loads it and `from_hf` here loads it back bit for
+  bit (also as `model.save_pretrained(directory)`).
+
+  The directory is created if missing; each file is replaced atomically, and other files (a
+  tokenizer, say) are left alone. Raises ValueError, before writing anything, for what HF cannot
+  express (dilation, causal=True).
+  """
+  from safetensors.numpy import save
+  config = config_to_hf_dict(model.config, type(model).__name__)  # raises first
+  weights = hf_state_dict(model)
+  directory = os.fspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  # transformers refuses safetensors files without format "pt". The config goes last: a new
+  # directory is not a checkpoint (no config.json) until both files are complete.
+  atomic_write(os.path.join(directory, "model.safetensors"),
+               save(weights, metadata={"format": "pt"}))
+  atomic_write(os.path.join(directory, "config.json"),
+               json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
 def to_hf(model: nnx.Module):
   """The HF PyTorch model (same class name, eval mode) computing what `model` computes.
 
@@ -903,3 +930,7 @@ def bart_to_led(source, max_positions: int = 16384, window: int = 512, *,
   arch = arch.replace("Bart", "LED") if arch else None
   return _from_weights(_FAMILIES["led"], led_config, led_weights, arch, None, rngs,
                        config_changes, where)
+
+
+# The models' `save_pretrained` / `from_pretrained` methods (pretrained.HFCheckpointMixin).
+pretrained.register_hf_io(save=save_pretrained, load=from_hf)

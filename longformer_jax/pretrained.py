@@ -1,12 +1,31 @@
 """`save_pretrained` / `from_pretrained` for the model classes HF transformers has (the Longformer
 heads and LED): HF's checkpoint directory, `config.json` and `model.safetensors`, written and read
 without torch. The weight names, shapes and config fields are `longformer_jax.convert`'s.
+
+The methods hand their work to `convert.save_pretrained` and `convert.from_hf`, which `convert`
+registers here when it is imported (`register_hf_io`). The model modules inherit the methods
+without importing `convert`, which imports them: no import circle. `import longformer_jax` (which
+any import of a model module runs first) imports `convert`, so the functions are always there.
 """
 
 from __future__ import annotations
 
-import json
 import os
+from collections.abc import Callable
+
+_HF_IO: dict[str, Callable] = {}
+
+
+def register_hf_io(*, save: Callable, load: Callable) -> None:
+  """Sets the functions behind the methods: `save(model, directory)` and `load(source, *,
+  model_class, revision, cache_dir, rngs, **config_changes)`."""
+  _HF_IO.update(save=save, load=load)
+
+
+def _hf_io(name: str) -> Callable:
+  if name not in _HF_IO:  # only when `longformer_jax.convert` failed to import
+    raise RuntimeError("longformer_jax.convert is not imported: import longformer_jax first")
+  return _HF_IO[name]
 
 
 class HFCheckpointMixin:
@@ -14,28 +33,9 @@ class HFCheckpointMixin:
 
   def save_pretrained(self, directory: str | os.PathLike) -> None:
     """Writes `directory/config.json` and `directory/model.safetensors` as HF's
-    `save_pretrained` writes them for the HF class of the same name (float32 weights, tied
-    copies left out), so that transformers' `from_pretrained(directory)` loads this model and
-    `from_pretrained` here loads it back bit for bit.
-
-    The directory is created if missing; each file is replaced atomically, and other files (a
-    tokenizer, say) are left alone. Raises ValueError, before writing anything, for what HF
-    cannot express (dilation, causal=True).
+    `save_pretrained` writes them for the HF class of the same name (`convert.save_pretrained`).
     """
-    # Imported here: convert imports the model modules, which import this one.
-    from safetensors.numpy import save
-    from longformer_jax import convert
-    from longformer_jax.io import atomic_write
-    config = convert.config_to_hf_dict(self.config, type(self).__name__)  # raises first
-    weights = convert.hf_state_dict(self)
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    # transformers refuses safetensors files without format "pt". The config goes last: a new
-    # directory is not a checkpoint (no config.json) until both files are complete.
-    atomic_write(os.path.join(directory, "model.safetensors"),
-                 save(weights, metadata={"format": "pt"}))
-    atomic_write(os.path.join(directory, "config.json"),
-                 json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _hf_io("save")(self, directory)
 
   @classmethod
   def from_pretrained(cls, source, *, revision: str | None = None,
@@ -47,6 +47,5 @@ class HFCheckpointMixin:
 
     **config_changes: config fields to set, e.g. `attention_impl`, `dtype`, `num_labels`.
     """
-    from longformer_jax import convert
-    return convert.from_hf(source, model_class=cls, revision=revision, cache_dir=cache_dir,
-                           rngs=rngs, **config_changes)
+    return _hf_io("load")(source, model_class=cls, revision=revision, cache_dir=cache_dir,
+                          rngs=rngs, **config_changes)

@@ -456,14 +456,14 @@ def test_cli_knows_each_runs_class_and_reads_model_checkpoints(tmp_path, capsys)
   (`save_model`) is exported as it is."""
   from longformer_jax.cli.eval import export as cli
   from longformer_jax import checkpoint
-  from longformer_jax.tasks import runs
+  from longformer_jax.tasks import trained
   for task, cls in (("qa", "LongformerForQuestionAnswering"),
                     ("multiple_choice", "LongformerForMultipleChoice"),
                     (None, "LongformerForMaskedLM")):  # an MLM run records no task
-    assert runs.run_model_class({"data": {"task": task}}, ENCODER).__name__ == cls
-  assert runs.run_model_class({}, LED) is led.LEDForConditionalGeneration
+    assert trained.run_model_class({"data": {"task": task}}, ENCODER).__name__ == cls
+  assert trained.run_model_class({}, LED) is led.LEDForConditionalGeneration
   with pytest.raises(ValueError, match="a run of a CharLMConfig model cannot be exported"):
-    runs.run_model_class({}, CHAR_LM)
+    trained.run_model_class({}, CHAR_LM)
   checkpoint.save_model(tmp_path / "lm", LongformerForCausalLM(RUN_MODEL, rngs=nnx.Rngs(0)))
   assert cli.main(["--workdir", str(tmp_path / "lm"), "--out", str(tmp_path / "lm.zip"),
                    "--seq-len", "8"]) == 0

@@ -31,7 +31,7 @@ import sys
 
 from longformer_jax.cli.driver import (
     EXIT_OK, Parser, fail, nonnegative_int, positive_int, parse_settings, printed_config)
-from longformer_jax.tasks.runs import load_model
+from longformer_jax.tasks.trained import load_trained
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
   from longformer_jax import export, led
   from longformer_jax.checkpoint import CheckpointError
   try:
-    model, info = load_model(args.workdir, args.step)
+    model, info = load_trained(args.workdir, args.step)
   except (CheckpointError, FileNotFoundError) as e:
     return fail(e)
   except ValueError as e:
