@@ -731,14 +731,16 @@ class TrainCheckpoints:
       self._leave_quiet()
       raise
     self._pending = None  # the step of a save that may still be running
+    self._async = async_save
 
   def _leave_quiet(self) -> None:
     if self._quiet:
       self._quiet = False
       _exit_quiet()
 
-  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
-    """Saves `step` (in the background when async_save; see the class docstring)."""
+  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> bool:
+    """Saves `step` (in the background when async_save; see the class docstring). Returns
+    whether the step is already complete on disk (False: `check` or `wait` says when it is)."""
     self.wait()  # Orbax would wait for the previous save anyway; its failure is named here
     meta = _seal({**meta, "step": step, "checksums": {
         "params": checksums(params), "opt_state": checksums(opt_state)}})
@@ -751,17 +753,23 @@ class TrainCheckpoints:
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
     self._pending = step
+    if not self._async:
+      self.wait()  # returns at once: the step is written
+      return True
+    return False
 
-  def check(self) -> None:
+  def check(self) -> int | None:
     """Raises CheckpointSaveError if a background save has failed; never waits for one that is
-    still writing."""
+    still writing. Returns the step of a background save found complete now, else None."""
     if self._pending is not None and not self._manager.is_saving_in_progress():
-      self.wait()  # finished: returns at once, or raises its failure
+      return self.wait()  # finished: returns at once, or raises its failure
+    return None
 
-  def wait(self) -> None:
-    """Waits for a background save; CheckpointSaveError if it failed."""
+  def wait(self) -> int | None:
+    """Waits for a background save; CheckpointSaveError if it failed. Returns the step it
+    completed, None if none was pending."""
     if self._pending is None:
-      return
+      return None
     step, self._pending = self._pending, None
     try:
       self._manager.wait_until_finished()
@@ -770,6 +778,7 @@ class TrainCheckpoints:
       _after_failure(e)
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
+    return step
 
   def close(self) -> None:
     """Waits for a background save and releases Orbax's resources (errors: as `wait`)."""
