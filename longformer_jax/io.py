@@ -53,10 +53,15 @@ def append_line(file, path: str | os.PathLike, line: str) -> None:
   failed write raises `WriteError` naming `path` (what is left is at most a torn last line,
   which the log readers drop)."""
   try:
-    file.write(line + "\n")
-    file.flush()
+    _append(file, line + "\n")
   except OSError as e:
     raise WriteError(path, e) from None
+
+
+def _append(file, text: str) -> None:
+  """Appends to an open file: every append the library makes goes through here."""
+  file.write(text)
+  file.flush()
 
 
 def check_writable(path: str | os.PathLike) -> None:

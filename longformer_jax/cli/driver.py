@@ -410,7 +410,7 @@ def workdir_lock(workdir):
   if "://" in str(workdir) or jax.process_index() != 0:
     yield
     return
-  from longformer_jax.io import WriteError
+  from longformer_jax.io import WriteError, append_line
   path = Path(os.fspath(workdir))
   if path.exists() and not path.is_dir():
     raise ValueError(f"--workdir {workdir} is a file, not a directory")
@@ -440,13 +440,9 @@ def workdir_lock(workdir):
           f"--workdir {workdir} is in use by another job{f' (pid {holder})' if holder else ''};"
           f" one job at a time trains in a workdir: wait for it to end, or give another "
           f"--workdir") from None
-    try:
-      lock.seek(0)
-      lock.truncate()
-      lock.write(f"{os.getpid()}\n")  # for the message a second job prints
-      lock.flush()
-    except OSError as e:
-      raise WriteError(path / LOCK_FILE, e) from None
+    lock.seek(0)
+    lock.truncate()
+    append_line(lock, path / LOCK_FILE, str(os.getpid()))  # for a second job's message
     yield
   except BaseException:
     _close_quietly(lock)

@@ -753,5 +753,6 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
       try:
         plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)
       except (OSError, DamagedLogError) as e:
-        print(f"warning: could not write {logdir / 'curves.png'}: {e}", file=sys.stderr)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        print(f"warning: could not write {logdir / 'curves.png'}: {why}", file=sys.stderr)
     writer.close()
