@@ -237,7 +237,7 @@ def _unseal(record: Any, what: str) -> dict[str, Any]:
 # in: <coroutine ...>" when an abandoned read is collected), and Orbax logs the failure, with its
 # traceback, from every thread it passes through. None of it says more than the one line this
 # module raises (`describe_error` of the same exception). What is done about it here, with
-# public APIs only (docs/design.md, "Orbax failures"):
+# public APIs only (docs/design.md §5.4, "Orbax failures"):
 #   * the cause, for the failure that matters in practice: a save is not started when it cannot
 #     fit (`_check_room`: the free space and the file-size limit), so a full disk never reaches
 #     Orbax and nothing is abandoned;
