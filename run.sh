@@ -4,7 +4,8 @@
 #   ./run.sh demo    train char_tiny on the bundled Wikipedia sample (CPU, ~10 min), evaluate
 #                    test bits-per-character, plot the curves
 #   ./run.sh test    install the test extras (torch for the HF parity tests, libtpu for the
-#                    TPU compile tests) and run the whole suite (CI); extra args go to pytest
+#                    TPU compile tests) and the demo's (tensorboardX: the suite runs with what a
+#                    newcomer has installed) and run the whole suite (CI); extra args go to pytest
 #   ./run.sh fast    the same set-up, then the fast tier: -m "not integration and not slow"
 #   ./run.sh bench   the attention benchmark (benchmarks/attention.py), extra args passed on
 #
@@ -70,7 +71,9 @@ case "$cmd" in
     # tpu: libtpu's compile-only TPU client (tests/test_tpu_aot.py compiles for TPU slices on
     # this CPU). A venv with libtpu prints a few lines of libtpu warnings on the first jax use
     # when JAX_PLATFORMS is unset; JAX_PLATFORMS=cpu (the tests' setting) avoids them.
-    ensure_venv test,torch,tpu
+    # demo too: every extra the README's commands install, so that the suite sees what a
+    # newcomer's venv has after `./run.sh demo` (tensorboardX logs through the training loop).
+    ensure_venv test,torch,tpu,demo
     "$VENV/bin/python" -c 'import jax, flax, sys; print(f"[run.sh] python {sys.version.split()[0]}, jax {jax.__version__}, flax {flax.__version__}")'
     "$VENV/bin/python" -m ruff check .
     # Tiers are markers (pyproject.toml, tests/conftest.py); the fast tier leaves out the command
@@ -85,7 +88,7 @@ case "$cmd" in
     exec "$VENV/bin/python" benchmarks/attention.py "$@"
     ;;
   *)
-    sed -n '2,11p' "$0"
+    sed -n '2,12p' "$0"
     exit 2
     ;;
 esac

@@ -35,20 +35,21 @@ with Adam) is never read, and damage there does not stop an evaluation.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
+import errno
 import functools
 import gc
 import hashlib
 import importlib
-import inspect
+import io
 import json
 import logging
 import os
+import resource
+import shutil
 import sys
 import threading
-import time
 import traceback
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -230,49 +231,56 @@ def _unseal(record: Any, what: str) -> dict[str, Any]:
   return rest
 
 
-# A read or write that fails inside Orbax leaves TensorStore callbacks aimed at the event loop
-# Orbax has already closed, and coroutines whose errors nobody awaits: Python prints a traceback
-# for each (hundreds of lines saying "Event loop is closed"), and Orbax logs the failure with its
-# traceback from each thread it passes through. None of it says more than the error this module
-# raises itself (one line: `describe_error` of the same exception). So while one of this module's
-# reads or writes runs (a `TrainCheckpoints` from creation to `close()`), those unraisable errors
-# and Orbax's ERROR log records are dropped; everything else reaches the previous hooks and
-# handlers, and the hook and filters are removed again when the last such scope ends: the
-# caller's program keeps its own `sys.unraisablehook`, loggers and warning filters.
+# When a read or write fails inside Orbax, Orbax abandons the rest of it: its array reads and
+# writes run under `asyncio.gather` on an event loop of its own, which it closes as soon as the
+# first one fails, while the others are still in flight. Those report later, each with a
+# traceback ("Event loop is closed" from TensorStore's completion callbacks, "Exception ignored
+# in: <coroutine ...>" when an abandoned read is collected), and Orbax logs the failure, with its
+# traceback, from every thread it passes through. None of it says more than the one line this
+# module raises (`describe_error` of the same exception). What is done about it here, with
+# public APIs only (docs/design.md §5.4, "Orbax failures"):
+#   * the cause, for the failure that matters in practice: a save is not started when it cannot
+#     fit (`_check_room`: the free space and the file-size limit), so a full disk never reaches
+#     Orbax and nothing is abandoned;
+#   * a failure inside Orbax all the same (a disk that fills during a save, a damaged file on
+#     read): Orbax's threads are waited for through the manager's own API, and what the failure
+#     abandoned is collected at once (`_collect_abandoned`) with its reports kept off stderr,
+#     instead of surfacing at some later point of the caller's program;
+#   * Orbax's ERROR log records are dropped while one of this module's reads or writes runs (a
+#     `logging.Filter` on the absl logger, and on asyncio's for the abandoned tasks it reports),
+#     added and removed with that scope: the caller's loggers are left as they were.
 _quiet_lock = threading.Lock()
 _quiet_depth = 0
-_quiet_installed: tuple[Callable, Callable, logging.Filter, Any] | None = None
+_quiet_installed: tuple[logging.Filter, Any] | None = None
 
 
-def _raised_in_orbax(error: BaseException | None) -> bool:
-  tb = error.__traceback__ if error is not None else None
-  while tb is not None:
-    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
-      return True
-    tb = tb.tb_next
-  return False
-
-
-def _is_orphaned_error(error: BaseException | None, obj: Any = None) -> bool:
-  if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+def _from_orbax(record: logging.LogRecord) -> bool:
+  if f"{os.sep}orbax{os.sep}" in record.pathname:
     return True
-  return "orbax" in repr(obj) or _raised_in_orbax(error)
+  try:
+    message = record.getMessage()
+  except Exception:
+    message = str(record.msg)
+  return "orbax" in message or "Event loop is closed" in message
 
 
 class _DropOrbaxErrors(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
-    if record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
-      return False  # the failure is raised to the caller as a CheckpointError
-    if record.name == "asyncio":
-      # "Future/Task exception was never retrieved" for the reads and writes left behind.
+    if record.name == "asyncio":  # a task or future Orbax abandoned ("... never retrieved")
       exc = record.exc_info[1] if record.exc_info else None
-      try:
-        message = record.getMessage()
-      except Exception:
-        message = str(record.msg)
-      return not (_is_orphaned_error(exc) or "orbax" in message)
-    return True
+      return not (_from_orbax(record) or (exc is not None and _raised_in_orbax(exc)))
+    # The failure is raised to the caller as a CheckpointError.
+    return not (record.levelno >= logging.ERROR and _from_orbax(record))
+
+
+def _raised_in_orbax(error: BaseException) -> bool:
+  tb = error.__traceback__
+  while tb is not None:
+    if f"{os.sep}orbax{os.sep}" in tb.tb_frame.f_code.co_filename:
+      return True
+    tb = tb.tb_next
+  return False
 
 
 _QUIET_LOGGERS = ("absl", "asyncio")
@@ -284,19 +292,12 @@ def _enter_quiet() -> None:
     _quiet_depth += 1
     if _quiet_depth > 1:
       return
-    previous = sys.unraisablehook
-
-    def hook(unraisable):
-      if not _is_orphaned_error(unraisable.exc_value, unraisable.object):
-        previous(unraisable)
-
     dropper = _DropOrbaxErrors()
-    sys.unraisablehook = hook
     for name in _QUIET_LOGGERS:
       logging.getLogger(name).addFilter(dropper)
     root_logging = _root_logging_kept()
     root_logging.__enter__()
-    _quiet_installed = (previous, hook, dropper, root_logging)
+    _quiet_installed = (dropper, root_logging)
 
 
 def _exit_quiet() -> None:
@@ -305,10 +306,8 @@ def _exit_quiet() -> None:
     _quiet_depth -= 1
     if _quiet_depth > 0 or _quiet_installed is None:
       return
-    previous, hook, dropper, root_logging = _quiet_installed
+    dropper, root_logging = _quiet_installed
     _quiet_installed = None
-    if sys.unraisablehook is hook:  # a hook installed after ours stays (ours forwarded to it)
-      sys.unraisablehook = previous
     for name in _QUIET_LOGGERS:
       logging.getLogger(name).removeFilter(dropper)
     root_logging.__exit__(None, None, None)
@@ -324,94 +323,48 @@ def _orbax_quiet():
     _exit_quiet()
 
 
-def _orbax_code(code) -> bool:
-  return f"{os.sep}orbax{os.sep}" in code.co_filename
+def _collect_abandoned(error: BaseException) -> None:
+  """Collects now what a failed Orbax read or write abandoned (the comment above), so that it
+  does not report at some later point of the caller's program.
 
-
-def _runs_orbax_code(future: asyncio.Future) -> bool:
-  """Whether `future` is a task whose coroutine is Orbax's."""
-  coro = future.get_coro() if isinstance(future, asyncio.Task) else None
-  code = getattr(coro, "cr_code", None) or getattr(coro, "gi_code", None)
-  return code is not None and _orbax_code(code)
-
-
-def _after_failure(error: BaseException) -> None:
-  """Settles, while still quiet, what a failed Orbax read or write abandoned.
-
-  The frames of `error`'s traceback hold the abandoned coroutines and futures: their locals are
-  cleared (file names and line numbers stay) and collected now. Orbax's own event loop keeps
-  other ones alive past this call (tasks that failed after the first error, coroutines it made
-  but never started), and those would report at some later point in the caller's program
-  ("Task exception was never retrieved", "coroutine ... was never awaited", at the latest when
-  the interpreter exits): their errors are marked as retrieved here and the coroutines closed.
-  Only Orbax's objects are touched: futures on the event loop of a task whose coroutine is
-  Orbax's, futures whose error was raised in Orbax, coroutines of Orbax's code that never
-  started.
+  The frames of `error`'s traceback hold the abandoned coroutines and tasks: their locals are
+  cleared (file names and line numbers stay) and the garbage collector runs. What the abandoned
+  work reports as it is collected (its error: Orbax's read turns the close of a coroutine into
+  an error of its own) goes to a discarded stderr for the length of that one collection; the
+  same error was raised to the caller in one line.
   """
   traceback.clear_frames(error.__traceback__)
-  with warnings.catch_warnings():
-    # Closing unstarted coroutines warns "never awaited", and merely touching every object in
-    # the process can warn too (e.g. torch's deprecated module attributes): none of it is news
-    # for the caller.
-    warnings.simplefilter("ignore")
-    gc.collect()
-    objects = gc.get_objects()
-    # Orbax runs its own event loop: a loop that runs an Orbax coroutine is Orbax's, and so are
-    # the futures on it (e.g. the `gather` of its writes).
-    futures = [f for f in objects if isinstance(f, asyncio.Future) and f.done()
-               and not f.cancelled()]
-    orbax_loops = {id(f.get_loop()) for f in futures if _runs_orbax_code(f)}
-    for future in futures:
-      # `_exception` reads the error without marking it retrieved (`exception()` does): the
-      # caller's own futures keep reporting theirs.
-      leftover = getattr(future, "_exception", None)
-      if leftover is not None and (id(future.get_loop()) in orbax_loops
-                                   or _raised_in_orbax(leftover)):
-        future.exception()  # marks the error as retrieved
-    for coro in objects:
-      if (inspect.iscoroutine(coro) and _orbax_code(coro.cr_code)
-          and inspect.getcoroutinestate(coro) == inspect.CORO_CREATED):
-        coro.close()
-    _close_suspended_orbax_coroutines(objects)
-    del objects, futures
+  with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+    warnings.simplefilter("ignore")  # "coroutine ... was never awaited": nothing to add
     gc.collect()
 
 
-def _close_suspended_orbax_coroutines(objects: list[Any], wait_s: float = 10.0) -> None:
-  """Finishes the Orbax coroutines still suspended after a failure (reads or writes that were in
-  flight when the first one failed).
-
-  Those on a loop that still runs are given `wait_s` seconds to finish, and their errors are
-  marked retrieved. Those that nothing drives any more (their loop stopped) are closed here:
-  Orbax's array read catches BaseException and raises its own error, so the GeneratorExit of
-  closing one would otherwise print "Exception ignored in: <coroutine ...>" with a long
-  TensorStore spec whenever the garbage collector gets to it.
-  """
-  coros = [c for c in objects if inspect.iscoroutine(c) and _orbax_code(c.cr_code)
-           and inspect.getcoroutinestate(c) == inspect.CORO_SUSPENDED]
-  if not coros:
+def _check_room(directory: epath.Path, step: int, items: Mapping[str, Any]) -> None:
+  """Raises CheckpointSaveError, before Orbax writes anything, when the checkpoint cannot fit:
+  less free space on `directory`'s file system than its arrays' bytes (a full disk), or a
+  file-size limit (`ulimit -f`) below the largest item. A write Orbax starts and cannot finish
+  leaves work behind it (the comment above); a save that would fail is not started. Local
+  directories only (a remote store reports no free space)."""
+  if "://" in str(directory):
     return
-  tasks = {id(t.get_coro()): t for t in objects if isinstance(t, asyncio.Task)}
-  awaited = {id(c.cr_await) for c in coros if c.cr_await is not None}
-  roots = [c for c in coros if id(c) not in awaited]  # closing a root closes what it awaits
-  driven = [tasks[id(c)] for c in roots
-            if id(c) in tasks and tasks[id(c)].get_loop().is_running()]
-  deadline = time.monotonic() + wait_s
-  while any(not t.done() for t in driven) and time.monotonic() < deadline:
-    time.sleep(0.01)
-  for task in driven:
-    if task.done() and not task.cancelled() and getattr(task, "_exception", None) is not None:
-      task.exception()  # marks it retrieved
-  for coro in roots:
-    task = tasks.get(id(coro))
-    if task is not None and task.get_loop().is_running():
-      continue  # still driven by a live loop (past the wait): left to it
-    if task is not None:
-      task._log_destroy_pending = False  # its coroutine is closed below: nothing is pending
-    try:
-      coro.close()
-    except Exception:
-      pass  # Orbax's own error for the read that was cut short: already reported once
+  sizes = {name: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)
+                     if hasattr(x, "dtype")) for name, tree in items.items()}
+  needed = sum(sizes.values()) + _ROOM_MARGIN
+  why = None
+  free = shutil.disk_usage(directory).free
+  if free < needed:
+    why = (f"{os.strerror(errno.ENOSPC)} (the checkpoint needs about {needed:,} bytes, "
+           f"{free:,} are free)")
+  limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+  if limit != resource.RLIM_INFINITY and limit < max(sizes.values()):
+    why = (f"{os.strerror(errno.EFBIG)} (its {max(sizes, key=sizes.get)} item needs about "
+           f"{max(sizes.values()):,} bytes in a file; the file-size limit is {limit:,} bytes)")
+  if why is not None:
+    raise CheckpointSaveError(f"saving step {step} in {directory} failed: {why}")
+
+
+# Room beyond the arrays' bytes: Orbax's metadata, the manifest, the meta item.
+_ROOM_MARGIN = 1 << 20
 
 
 def _read(what: str, fn: Callable[[], Any]) -> Any:
@@ -423,7 +376,7 @@ def _read(what: str, fn: Callable[[], Any]) -> Any:
       raise
     except Exception as e:
       # Whatever Orbax, TensorStore or the file system raise for a broken file.
-      _after_failure(e)
+      _collect_abandoned(e)
       raise DamagedCheckpointError(f"{what}: {describe_error(e)}") from e
 
 
@@ -846,15 +799,18 @@ class TrainCheckpoints:
       self._leave_quiet()
       raise
     self._pending = None  # the step of a save that may still be running
+    self._async = async_save
 
   def _leave_quiet(self) -> None:
     if self._quiet:
       self._quiet = False
       _exit_quiet()
 
-  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
-    """Saves `step` (in the background when async_save; see the class docstring)."""
+  def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> bool:
+    """Saves `step` (in the background when async_save; see the class docstring). Returns
+    whether the step is already complete on disk (False: `check` or `wait` says when it is)."""
     self.wait()  # Orbax would wait for the previous save anyway; its failure is named here
+    _check_room(self.directory, step, {"params": params, "opt_state": opt_state})
     meta = _seal({**meta, "step": step, "checksums": {
         "params": checksums(params), "opt_state": checksums(opt_state)}})
     try:
@@ -862,29 +818,43 @@ class TrainCheckpoints:
           params=ocp.args.StandardSave(params), opt_state=ocp.args.StandardSave(opt_state),
           meta=ocp.args.JsonSave(meta)), force=True)
     except Exception as e:
-      _after_failure(e)
+      self._settle(e)
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
+    if not self._async:
+      return True  # Orbax's save returns once the step is written
     self._pending = step
+    return False
 
-  def check(self) -> None:
+  def check(self) -> int | None:
     """Raises CheckpointSaveError if a background save has failed; never waits for one that is
-    still writing."""
+    still writing. Returns the step of a background save found complete now, else None."""
     if self._pending is not None and not self._manager.is_saving_in_progress():
-      self.wait()  # finished: returns at once, or raises its failure
+      return self.wait()  # finished: returns at once, or raises its failure
+    return None
 
-  def wait(self) -> None:
-    """Waits for a background save; CheckpointSaveError if it failed."""
+  def wait(self) -> int | None:
+    """Waits for a background save; CheckpointSaveError if it failed. Returns the step it
+    completed, None if none was pending."""
     if self._pending is None:
-      return
+      return None
     step, self._pending = self._pending, None
     try:
       self._manager.wait_until_finished()
       self._manager.check_for_errors()
     except Exception as e:
-      _after_failure(e)
+      self._settle(e)
       raise CheckpointSaveError(f"saving step {step} in {self.directory} failed: "
                                 f"{describe_error(e)}") from e
+    return step
+
+  def _settle(self, error: BaseException) -> None:
+    """After a failed save: every thread of it finished (the manager's own wait; a save that
+    fails in its blocking part leaves the other items' threads running), then what it abandoned
+    collected (`_collect_abandoned`)."""
+    with contextlib.suppress(Exception):  # the failure, already in hand
+      self._manager.wait_until_finished()
+    _collect_abandoned(error)
 
   def close(self) -> None:
     """Waits for a background save and releases Orbax's resources (errors: as `wait`)."""

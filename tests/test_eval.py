@@ -206,3 +206,49 @@ def test_bytes_outside_the_vocabulary_are_refused_before_scoring(tmp_path, capsy
   model = LongformerForCausalLM(MODEL.replace(vocab_size=128), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match="the data to score holds byte 200 at position 12"):
     evaluate_bpc(model, np.frombuffer(text.read_bytes(), np.uint8), context=8, stride=4)
+
+
+def test_cli_output_on_a_full_disk_is_refused_first_or_keeps_the_result_in_its_error(
+    tmp_path, monkeypatch, capsys):
+  """eval.bpc on a full disk: the output check writes a byte, so it fails before any evaluation
+  (an empty probe file is made even on a full disk); a disk that fills during the evaluation
+  fails the write itself: one `error:` line holding the result, status 1, no file."""
+  import errno
+  import os
+  from longformer_jax import io as lj_io
+  from longformer_jax.cli.eval import bpc
+  from longformer_jax.training import write_run_config
+  import longformer_jax.tasks.charlm as evaluation
+  write_run_config(tmp_path / "run", evaluation.char_tiny())
+  text = tmp_path / "text.txt"
+  text.write_bytes(b"some bytes to score")
+  calls, real_write = [], lj_io._write
+  full = [".out.json.write-check", ".out.json.tmp"]  # names whose writes find no room
+
+  def write(path, data):
+    if any(path.name.startswith(name) for name in full):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real_write(path, data)
+
+  def fake_evaluate_run(workdir, data, **kwargs):
+    calls.append(len(data))
+    return {"bpc": 1.5, "protocol": kwargs["protocol"], "context": 16, "stride": 8,
+            "bytes": len(data), "step": 7}
+
+  monkeypatch.setattr(evaluation, "evaluate_run", fake_evaluate_run)
+  monkeypatch.setattr(lj_io, "_write", write)
+  out = tmp_path / "out.json"
+  args = ["--workdir", str(tmp_path / "run"), "--file", str(text), "--no-progress", "--output",
+          str(out)]
+  with pytest.raises(SystemExit) as exit_info:
+    bpc.main(args)
+  assert exit_info.value.code == 2 and not calls
+  assert capsys.readouterr().err == (f"eval.bpc: error: cannot write the output {out}: No space "
+                                     "left on device\n")
+  full.remove(".out.json.write-check")  # the check finds room; the output, later, does not
+  assert bpc.main(args) == 1 and calls == [19]
+  [error] = capsys.readouterr().err.splitlines()
+  prefix = f"error: cannot write {out}: No space left on device; the result, not written: "
+  assert error.startswith(prefix), error
+  assert json.loads(error.removeprefix(prefix))["bpc"] == 1.5
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "text.txt"]  # no file, no probe

@@ -119,7 +119,7 @@ _STATE_PROBE = textwrap.dedent("""
     print("refused:", str(e).splitlines()[0][:60])
   params = nnx.state(model, nnx.Param)
   writer = checkpoint.TrainCheckpoints(f"{root}/run", keep=1)
-  assert sys.unraisablehook is not before["sys.unraisablehook"]  # scoped to the writer's life
+  assert logging.getLogger("absl").filters  # Orbax's error records: for the writer's life only
   writer.save(1, params, params, {"stage": 0})
   writer.close()
   same(before, snapshot(), "use")

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib.util
-import inspect
+import logging
 import shutil
 import sys
 
@@ -140,55 +139,70 @@ def test_load_params_of_a_model_checkpoint(tmp_path):
     checkpoint.load_params(tmp_path / "nothing", abstract)
 
 
-def test_settling_a_failed_orbax_call_leaves_the_callers_futures_alone():
-  """After a failed Orbax call, `_after_failure` marks as retrieved only the errors raised in
-  Orbax; a future of the caller's own with an unretrieved error still reports it."""
+def test_a_failed_read_leaves_nothing_behind_and_the_callers_futures_alone(tmp_path, monkeypatch,
+                                                                          caplog, capsys):
+  """A read of a damaged checkpoint fails in one DamagedCheckpointError. Orbax abandons the
+  reads still in flight when the first one fails; they are collected with the failure, so
+  nothing reports later ("Exception ignored in: <coroutine ...>" reached `sys.unraisablehook`
+  at some later collection), and a future of the caller's own whose error nobody retrieved
+  still reports it."""
+  model = LongformerForCausalLM(CHAR_MODEL, rngs=nnx.Rngs(0))
+  checkpoint.save_model(tmp_path / "ckpt", model)
+  for f in (tmp_path / "ckpt" / "params").rglob("*"):
+    if f.is_file() and f.parent.name == "d":  # every array chunk, cut to a third
+      f.write_bytes(f.read_bytes()[:f.stat().st_size // 3])
+  # Python's own hook (pytest's would turn reports into warnings): it writes to stderr.
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)
   loop = asyncio.new_event_loop()
   try:
     mine = loop.create_future()
-    mine.set_exception(ValueError("the caller's"))
+    mine.set_exception(ValueError("the caller's own error"))
     try:
-      raise RuntimeError("a failed save")
-    except RuntimeError as e:
-      checkpoint._after_failure(e)
-    assert mine._log_traceback
-    mine.exception()  # retrieved here, so nothing is printed when the test ends
+      checkpoint.load_model(tmp_path / "ckpt")
+      raise AssertionError("a damaged checkpoint loaded")
+    except checkpoint.DamagedCheckpointError as e:
+      assert "params: " in str(e)
+    gc.collect()  # the error and what it held are gone: nothing of the read may report
+    assert capsys.readouterr().err == ""
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+      del mine
+      gc.collect()
+    assert "the caller's own error" in caplog.text
   finally:
     loop.close()
 
 
-def test_settling_closes_orbax_reads_left_suspended_on_a_stopped_loop(tmp_path, monkeypatch):
-  """Reads still in flight when the first one failed stay suspended on a loop that no longer
-  runs. Orbax's read catches BaseException and raises its own error, so closing one at garbage
-  collection would print "Exception ignored in: <coroutine ...>"; `_after_failure` closes them
-  while quiet, and nothing reaches `sys.unraisablehook` afterwards."""
-  package = tmp_path / "orbax"  # `checkpoint._orbax_code` goes by the file's directory
-  package.mkdir()
-  (package / "fake_read.py").write_text(
-      "import asyncio\n"
-      "async def read(gate):\n"
-      "  try:\n"
-      "    await gate\n"
-      "  except BaseException as e:\n"
-      "    raise Exception('Encountered error while reading array index') from e\n")
-  spec = importlib.util.spec_from_file_location("fake_orbax_read", package / "fake_read.py")
-  fake_read = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(fake_read)
-  unraisable = []
-  monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
-  loop = asyncio.new_event_loop()
-  try:
-    gate = loop.create_future()
-    task = loop.create_task(fake_read.read(gate))
-    loop.run_until_complete(asyncio.sleep(0))  # the read starts and waits on the gate
-    assert inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_SUSPENDED
+def test_what_a_failed_orbax_call_abandoned_is_collected_with_it_and_reports_nothing(
+    capsys, monkeypatch):
+  """A read abandoned by a failed Orbax call, suspended on a loop that no longer runs and held
+  only by the failure's traceback, as Orbax leaves them. Orbax's read turns the close of its
+  coroutine into an error of its own, which Python reports ("Exception ignored in: <coroutine
+  ...>") whenever the garbage collector gets to it: `_collect_abandoned` collects it with the
+  failure, so nothing reaches stderr then or later."""
+
+  async def read(gate):
     try:
-      raise RuntimeError("a failed read")
+      await gate
+    except BaseException as e:
+      raise Exception("Encountered error while reading array index") from e
+
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # writes to stderr
+  loop = asyncio.new_event_loop()
+
+  def failing_call():
+    gate = loop.create_future()
+    task = loop.create_task(read(gate))
+    loop.run_until_complete(asyncio.sleep(0))  # the read starts and waits on the gate
+    assert not task.done()
+    raise RuntimeError("a failed read")
+
+  try:
+    try:
+      failing_call()
     except RuntimeError as e:
-      checkpoint._after_failure(e)
-    assert inspect.getcoroutinestate(task.get_coro()) == inspect.CORO_CLOSED
-    del task
+      checkpoint._collect_abandoned(e)
     gc.collect()
   finally:
     loop.close()
-  assert unraisable == []
+  gc.collect()
+  assert capsys.readouterr().err == ""

@@ -13,7 +13,9 @@ damaged run must reproduce bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import random
 import shutil
 import signal
@@ -235,6 +237,7 @@ def test_damaged_weights_are_skipped_by_evaluation(files, reference, kind):
 
   proc = _bpc(workdir)
   assert proc.returncode == 0, proc.stderr
+  assert len(_stderr_lines(proc)) == 1, proc.stderr
   [warning] = _stderr_lines(proc)
   assert warning.startswith(f"warning: skipping checkpoint step 8 in {workdir / 'checkpoints'} "
                             "(left as it is): step 8 params: ")
@@ -399,19 +402,108 @@ def test_a_failed_save_stops_the_run_at_the_next_step(files, reference):
   # the run's error is still the last word.
   assert all(line.startswith("warning: could not write ") for line in plot)
   assert error.startswith(f"error: saving step 2 in {workdir / 'checkpoints'} failed: ")
-  assert "File too large" in error
+  assert "File too large (its " in error  # refused before Orbax writes: nothing left behind
+  assert "saved step" not in proc.stdout, proc.stdout  # never said to be saved
   # Stopped at the first step after the background write failed: step 3 when it failed during
   # step 3 (logged up to 2), else in step 4's save at the latest. Never trained past the next
   # checkpoint as if the save had worked (test_save_failure_is_seen_at_the_next_check: exactly
   # when).
   assert max(_losses(workdir)) in (2, 3, 4)
   assert checkpoint.checkpoint_steps(workdir) == []
-  # Disk space back: the leftovers are removed (and said so), the run starts over and matches.
+  # A save that cannot fit is not started: no incomplete save is left to remove.
+  assert checkpoint.incomplete_saves(workdir) == []
+  # Disk space back: the run starts over and matches.
   proc = _train(files, workdir)
   assert proc.returncode == 0, proc.stderr
-  [note] = _stderr_lines(proc)
-  assert note.startswith("warning: removing incomplete checkpoint directories")
+  assert _stderr_lines(proc) == []
   assert _losses(workdir) == _losses(reference)
+
+
+def _full_disk(monkeypatch, name: str, helper: str = "_write") -> None:
+  """Writes of the file `name` fail as on a full disk (ENOSPC), in the helper every write of its
+  kind goes through (`io._write`: whole files, atomically; `io._append`: appends)."""
+  from longformer_jax import io as lj_io
+  real = getattr(lj_io, helper)
+
+  def write(target, data):
+    path = Path(getattr(target, "name", target))
+    if path.name in (name, f".{name}.tmp{os.getpid()}"):
+      raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return real(target, data)
+  monkeypatch.setattr(lj_io, helper, write)
+
+
+def _main(files, workdir, *args, final_eval=False) -> int:
+  """train.charlm's main in this process, on the shared run's command line (its final
+  evaluation on the test split with `final_eval`)."""
+  from longformer_jax.cli.train import charlm
+  command = _train_command(files, workdir, *args)[3:]
+  if final_eval:
+    command = [a for a in command if a != "--skip-final-eval"] + [
+        "--set", "final_eval={'split': 'test', 'batch_size': 16}"]
+  return charlm.main(command)
+
+
+def test_a_rerun_of_a_finished_run_never_removes_a_result(files, reference, capsys, monkeypatch):
+  """Rerunning a finished run's command: nothing new computed, results.json left as it is (it
+  used to lose final_train_loss and valid_bpc); the final evaluation adds test_bpc to the rest,
+  and survives a full disk in the error line; a later rerun without it keeps it."""
+  workdir = _copy(reference, "rerun")
+  results = workdir / "results.json"
+  before = results.read_bytes()
+  old = json.loads(before)
+  assert {"final_train_loss", "valid_bpc", "steps"} <= set(old)
+  capsys.readouterr()
+  assert _main(files, workdir) == 0
+  out, err = capsys.readouterr()
+  assert err == "" and f"nothing new was computed: {results} left as it is\n" in out
+  assert results.read_bytes() == before
+
+  # The final evaluation on a full disk: one line holding the test BPC; results.json as it was.
+  with monkeypatch.context() as patch:
+    _full_disk(patch, "results.json")
+    assert _main(files, workdir, final_eval=True) == 1
+  [error] = capsys.readouterr().err.splitlines()
+  prefix = (f"error: cannot write {results}: No space left on device; this run's results, not "
+            "written: ")
+  assert error.startswith(prefix), error
+  lost = json.loads(error.removeprefix(prefix))
+  assert lost["checkpoint_step"] == 8 and np.isfinite(lost["test_bpc"])
+  assert results.read_bytes() == before
+  assert [p.name for p in workdir.iterdir() if ".tmp" in p.name] == []
+
+  # Disk space back: the same evaluation joins the earlier results.
+  assert _main(files, workdir, final_eval=True) == 0
+  new = json.loads(results.read_text())
+  assert new["test_bpc"] == lost["test_bpc"] and new["checkpoint_step"] == 8
+  assert {k: new[k] for k in ("steps", "final_train_loss", "valid_bpc")} == {
+      k: old[k] for k in ("steps", "final_train_loss", "valid_bpc")}
+  after = results.read_bytes()
+  assert _main(files, workdir) == 0  # --skip-final-eval again: the test BPC stays
+  assert results.read_bytes() == after
+
+
+def test_a_full_disk_while_resuming_or_logging_is_one_error_and_loses_nothing(
+    files, reference, capsys, monkeypatch):
+  """metrics.jsonl's rewrite on resume, then its appends, fail as on a full disk: one error
+  line each (status 1), the log and the checkpoints as they were (no step past the failure
+  saved)."""
+  workdir = _copy(reference, "full_disk_log")
+  shutil.rmtree(workdir / "checkpoints" / "8")  # resumes from step 6
+  log = workdir / "metrics.jsonl"
+  before, checkpoints = log.read_bytes(), file_snapshot(workdir / "checkpoints")
+  capsys.readouterr()
+  with monkeypatch.context() as patch:
+    _full_disk(patch, "metrics.jsonl")
+    assert _main(files, workdir) == 1
+  assert capsys.readouterr().err == f"error: cannot write {log}: No space left on device\n"
+  assert log.read_bytes() == before
+  with monkeypatch.context() as patch:
+    _full_disk(patch, "metrics.jsonl", helper="_append")
+    assert _main(files, workdir) == 1
+  assert capsys.readouterr().err == f"error: cannot write {log}: No space left on device\n"
+  assert file_snapshot(workdir / "checkpoints") == checkpoints
+  assert max(_losses(workdir)) == 6
 
 
 # ----------------------------------------------------------------------------------------------
@@ -744,7 +836,7 @@ class _FailedSaves:
 
 
 def test_save_failure_is_seen_at_the_next_check(tmp_path):
-  writer = checkpoint.TrainCheckpoints(tmp_path / "checkpoints")
+  writer = checkpoint.TrainCheckpoints(tmp_path / "checkpoints", async_save=True)
   writer._manager.close()
   writer._manager = _FailedSaves()
   tree = {"w": jnp.ones(3)}

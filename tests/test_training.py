@@ -4,6 +4,7 @@ the run config round trip, another task through the same loop."""
 
 import dataclasses
 import json
+import math
 import os
 import re
 import signal
@@ -110,10 +111,43 @@ def test_loss_falls_on_a_tiny_corpus(tmp_path, capsys):
   assert losses[1] > 5.0           # ~ln 256 at initialisation
   assert losses[40] < 0.5 * losses[1], losses
   # Without a progress bar, one line per checkpoint (and evaluation) shows progress in a log.
-  lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+  # A checkpoint written in the background is "saving" on its line and "saved" once on disk;
+  # the final one is waited for.
+  out = capsys.readouterr().out.splitlines()
+  lines = [line for line in out if line.startswith("step ")]
   assert [line.split(":")[0] for line in lines] == ["step 25/40 (stage 0)", "step 40/40 (stage 0)"]
+  assert lines[0].endswith(" tokens/s, saving step 25"), lines
   assert lines[1].startswith(f"step 40/40 (stage 0): loss {losses[40]:.4f}, train_bpc ")
   assert lines[1].endswith(" tokens/s, saved step 40"), lines
+  assert out.index("saved step 25") < out.index(lines[1])
+
+
+def test_tensorboard_is_never_handed_a_value_that_is_not_finite(tmp_path, monkeypatch):
+  """tensorboardX warns on stderr ("NaN or Inf found in input tensor") for a value that is not
+  finite, before the run's own error line: such values go to metrics.jsonl only."""
+  import types
+  from longformer_jax.training.metrics import MetricsLog
+  scalars = []
+
+  class SummaryWriter:
+    def __init__(self, logdir):
+      del logdir
+
+    def add_scalar(self, name, value, step):
+      scalars.append((name, value, step))
+
+    def close(self):
+      pass
+
+  monkeypatch.setitem(sys.modules, "tensorboardX",
+                      types.SimpleNamespace(SummaryWriter=SummaryWriter))
+  log = MetricsLog(tmp_path, 0)
+  log.write(4, train_loss=5.5, valid_bpc=float("nan"), grad_norm=float("inf"))
+  log.close()
+  assert scalars == [("train_loss", 5.5, 4)]
+  [record] = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert record["train_loss"] == 5.5 and math.isnan(record["valid_bpc"])
+  assert record["grad_norm"] == math.inf
 
 
 def test_resume_after_sigterm_equals_uninterrupted(tmp_path):

@@ -558,6 +558,24 @@ def test_a_read_only_workdir_is_refused(capsys, tmp_path):
   assert f"--workdir {read_only} cannot be written: Permission denied" in err
 
 
+def test_a_full_disk_at_the_workdir_lock_is_one_error_and_leaves_no_workdir(capsys, tmp_path,
+                                                                             monkeypatch):
+  """The lock's pid, the first byte a run writes, finds no room (ENOSPC, in the helper every
+  append goes through): one `error:` line, status 1, and the workdir the command made is gone
+  (an empty workdir used to be left behind, after a traceback)."""
+  import errno
+  from longformer_jax import io as lj_io
+
+  def full(file, text):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+  monkeypatch.setattr(lj_io, "_append", full)
+  workdir = tmp_path / "runs" / "new"
+  err = _refused("longformer-train-charlm", _charlm_argv(tmp_path, workdir), capsys, status=1)
+  assert err == f"error: cannot write {workdir / '.lock'}: No space left on device\n"
+  assert not workdir.exists()
+
+
 def test_a_mesh_that_does_not_fit_the_devices_is_refused_before_any_work(capsys, tmp_path):
   devices = len(jax.devices())
   argv = _charlm_argv(tmp_path, tmp_path / "run", "--set", f"mesh_shape=[{devices + 1}, 1]")

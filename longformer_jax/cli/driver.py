@@ -59,6 +59,7 @@ import abc
 import argparse
 import contextlib
 import dataclasses
+import errno
 import importlib.util
 import json
 import os
@@ -276,20 +277,84 @@ def run_errors() -> tuple[type[Exception], ...]:
   """Exceptions that end a run with status 1 (`fail`)."""
   from longformer_jax import training
   from longformer_jax.checkpoint import CheckpointError
+  from longformer_jax.io import WriteError
   return (training.RunMismatchError, training.NonFiniteLossError, CheckpointError,
-          training.DamagedLogError)
+          training.DamagedLogError, WriteError)
 
 
 def write_files(workdir, files: dict[str, str]) -> None:
-  """Writes each file into `workdir` whole or not at all (process 0 only)."""
+  """Writes each file into `workdir` whole or not at all (process 0 only), in order (results.json
+  last: a run whose results.json is new has all its files); `io.WriteError` names the file that
+  could not be written."""
   import jax
-  from longformer_jax.io import atomic_write
+  from longformer_jax.io import WriteError, atomic_write
   if jax.process_index() != 0:
     return
-  workdir.mkdir(parents=True, exist_ok=True)
+  try:
+    workdir.mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise WriteError(workdir, e) from None
   for name, content in files.items():
     atomic_write(workdir / name, content)
   print(f"wrote {', '.join(files)} in {workdir}")
+
+
+def write_result(path, result: Mapping[str, Any]) -> int:
+  """An evaluation command's JSON `result` written to `path` whole (process 0 only), and said so.
+  Returns the exit status: 0, or 1 with one `error:` line holding the result when the file
+  cannot be written (e.g. a full disk), so that the numbers are not lost."""
+  import jax
+  from longformer_jax.io import WriteError, atomic_write
+  if jax.process_index() != 0:
+    return EXIT_OK
+  try:
+    atomic_write(path, json.dumps(result, indent=2) + "\n")
+  except WriteError as e:
+    return fail(f"{e}; the result, not written: {json.dumps(result)}")
+  print(f"wrote {path}")
+  return EXIT_OK
+
+
+RESULTS = "results.json"
+
+
+def write_results(workdir, computed: dict[str, Any], *, record: Mapping[str, Any] = (),
+                  files: Mapping[str, str] = (), replace: bool = False,
+                  name: str = RESULTS) -> int:
+  """Writes what a command computed: `files` (e.g. predictions), then `name` (results.json),
+  the one way every training command (and an evaluation without training) records its results.
+
+  computed: this run's results (numbers, the scored step); record: what the run is (its config,
+  its model), written with them. A rerun never removes a result: results.json keeps every entry
+  it had that this run did not compute again (a rerun of a finished run that only evaluates adds
+  the evaluation's, one that skips it keeps the earlier one), unless `replace`. When nothing was
+  computed, no file is written and the file is left as it is (said in one line).
+  Returns the exit status: 0, or 1 with one `error:` line when a file cannot be written (e.g. a
+  full disk), holding this run's results so that none is lost.
+  """
+  import jax
+  from longformer_jax.io import WriteError, read_json
+  path = workdir / name
+  if not computed and not files:
+    if jax.process_index() == 0:
+      print(f"nothing new was computed: {path} left as it is")
+    return EXIT_OK
+  previous = {}
+  if not replace and jax.process_index() == 0 and path.exists():
+    try:
+      previous = read_json(path)
+    except (ValueError, OSError) as e:
+      previous = e
+    if not isinstance(previous, dict):
+      why = previous if isinstance(previous, Exception) else f"{path} is not a JSON object"
+      print(f"warning: {why}; replaced by this run's results", file=sys.stderr, flush=True)
+      previous = {}
+  results = {**previous, **record, **computed}
+  try:
+    write_files(workdir, {**files, name: json.dumps(results, indent=2) + "\n"})
+  except WriteError as e:
+    return fail(f"{e}; this run's results, not written: {json.dumps(computed)}")
+  return EXIT_OK
 
 
 class EvaluationInterrupted(Exception):
@@ -345,14 +410,25 @@ def workdir_lock(workdir):
   if "://" in str(workdir) or jax.process_index() != 0:
     yield
     return
+  from longformer_jax.io import WriteError, append_line
   path = Path(os.fspath(workdir))
   if path.exists() and not path.is_dir():
     raise ValueError(f"--workdir {workdir} is a file, not a directory")
   created = not path.exists()
+
+  def remove_if_created():
+    # A workdir this call made, holding nothing but the lock, is removed again: no trace.
+    if created and path.is_dir() and [p.name for p in path.iterdir()] in ([], [LOCK_FILE]):
+      (path / LOCK_FILE).unlink(missing_ok=True)
+      path.rmdir()
+
   try:
     path.mkdir(parents=True, exist_ok=True)
     lock = open(path / LOCK_FILE, "a+")
   except OSError as e:
+    remove_if_created()
+    if e.errno in _DISK_FULL:  # a failure (status 1), not a bad --workdir
+      raise WriteError(path / LOCK_FILE, e) from None
     raise ValueError(f"--workdir {workdir} cannot be written: {e.strerror or e}") from None
   try:
     try:
@@ -366,17 +442,26 @@ def workdir_lock(workdir):
           f"--workdir") from None
     lock.seek(0)
     lock.truncate()
-    lock.write(f"{os.getpid()}\n")  # for the message a second job prints
-    lock.flush()
-    try:
-      yield
-    except BaseException:
-      if created and [p.name for p in path.iterdir()] == [LOCK_FILE]:
-        (path / LOCK_FILE).unlink()
-        path.rmdir()
-      raise
+    append_line(lock, path / LOCK_FILE, str(os.getpid()))  # for a second job's message
+    yield
+  except BaseException:
+    _close_quietly(lock)
+    remove_if_created()
+    raise
   finally:
-    lock.close()  # releases the lock
+    _close_quietly(lock)  # releases the lock (closing twice is allowed)
+
+
+def _close_quietly(file) -> None:
+  """Closes `file`; a flush that fails again (the pid of a lock on a full disk) was reported."""
+  try:
+    file.close()
+  except OSError:
+    pass
+
+
+# The errors of a write that found no room: a full disk, a quota, a file-size limit.
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def print_json(value: Any) -> None:
@@ -643,7 +728,7 @@ class TrainCommand(abc.ABC):
     import jax
     from etils import epath
     from longformer_jax import training
-    from longformer_jax.io import check_writable
+    from longformer_jax.io import WriteError, check_writable
     from longformer_jax.training.config import check_run_record
     initialize_distributed(args)
     workdir = epath.Path(args.workdir or self.default_workdir(args))
@@ -670,7 +755,7 @@ class TrainCommand(abc.ABC):
           check_writable(workdir / EVAL_RESULTS)  # before the evaluation, not after
       except USAGE_ERRORS as e:
         usage_error(parser, e)
-      except WorkdirInUseError as e:
+      except (WorkdirInUseError, WriteError) as e:
         return fail(e)
       if jax.process_index() == 0:
         print(f"{jax.process_count()} process(es), devices: {jax.devices()}")
@@ -690,7 +775,7 @@ class TrainCommand(abc.ABC):
     import jax
     from longformer_jax import training
     progress = not args.no_progress
-    results = dict(plan.results)
+    computed = {}  # what this run computed (results.json keeps the rest of what it had)
     if plan.evaluate is not None:
       with sigterm_interrupts("the evaluation"):
         evaluation = plan.evaluate(mesh)
@@ -702,28 +787,31 @@ class TrainCommand(abc.ABC):
         # Saved; rerun the same command to resume. Not 0, so that a scheduler can tell a
         # preempted run from a finished one.
         return EXIT_PREEMPTED
-      results.update({"steps": summary["step"], "final_train_loss": summary["last_loss"],
-                      **{k: v for k, v in summary.items() if k.startswith("valid_")},
-                      "train_minutes_this_run":
-                          round((time.perf_counter() - start) / 60, 2)})
+      if summary["last_loss"] is not None:  # this run trained (a finished run's rerun did not)
+        computed.update({"steps": summary["step"], "final_train_loss": summary["last_loss"],
+                         "train_minutes_this_run":
+                             round((time.perf_counter() - start) / 60, 2)})
+      computed.update({k: v for k, v in summary.items() if k.startswith("valid_")})
       evaluation = None
       if not args.skip_final_eval:
         with sigterm_interrupts(f"the final evaluation (training is saved at step "
                                 f"{summary['step']})"):
           evaluation = plan.task.final_evaluation(cfg, workdir, mesh, progress=progress)
+      if computed or evaluation is not None:
+        computed = {"steps": summary["step"], **computed}
     files = {}
     if evaluation is not None:
       if evaluation.step is not None:
-        results["checkpoint_step"] = evaluation.step
-      results.update(evaluation.results)
+        computed["checkpoint_step"] = evaluation.step
+      computed.update(evaluation.results)
       files.update(evaluation.files)
       if jax.process_index() == 0:
         if evaluation.step is not None:
           print(f"evaluated checkpoint step {evaluation.step}")
         for line in evaluation.lines:
           print(line)
-    files["results.json"] = json.dumps(results, indent=2) + "\n"
-    if plan.evaluate is not None:  # never the training run's files
-      files = {f"{EVAL_PREFIX}{name}": text for name, text in files.items()}
-    write_files(workdir, files)
-    return EXIT_OK
+    if plan.evaluate is not None:  # never the training run's files; always a new evaluation
+      return write_results(workdir, computed, record=plan.results, replace=True,
+                           files={f"{EVAL_PREFIX}{name}": text for name, text in files.items()},
+                           name=EVAL_RESULTS)
+    return write_results(workdir, computed, record=plan.results, files=files)

@@ -605,11 +605,18 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
       return f"No good checkpoint exists yet (none was saved before step {failed_step})."
     return f"The last good checkpoint is step {last_good} in {checkpoints_dir}."
 
-  def save(stage_index, batches, batch) -> bool:
-    """Saves the step (once); whether a checkpoint was written."""
+  def confirm(saved_step: int | None) -> None:
+    # "saved" is said once the step is on disk: a background save when the writer finds it
+    # complete (a failed one stops the run with its error instead).
+    if saved_step is not None and is_main and pbar is None:
+      print(f"saved step {saved_step}", flush=True)
+
+  def save(stage_index, batches, batch) -> bool | None:
+    """Saves the step (once): None if it was saved already, else whether the save is complete
+    (False: written in the background, `confirm`ed later)."""
     nonlocal last_saved, last_good
     if last_saved == step:
-      return False
+      return None
     # Saved only if the state is one the run can go on from (docs/charlm.md, "Run integrity").
     health = trainer.health(stage_index, state, batch)
     if not (health["finite"] and math.isfinite(health["loss"])
@@ -620,10 +627,11 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           f"gradient norm {health['grad_norm']:.4g}"
           f"{'' if health['finite'] else ', non-finite values in the state'}); not saved. "
           f"{good_checkpoint(step)} {_RETRY}")
-    writer.save(step, state.params, state.opt_state, {
+    confirm(writer.wait())  # the previous save (Orbax would wait for it anyway)
+    complete = writer.save(step, state.params, state.opt_state, {
         "step": step, "stage": stage_index, "sampler": batches.state(), "run": record})
     last_good = last_saved = step
-    return True
+    return complete
 
   def report(read: list[tuple[int, int, Any]], *, tick: float
              ) -> tuple[float, float, dict[str, float], float]:
@@ -634,7 +642,7 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     steps read since `tick`)."""
     values = jax.device_get([{k: metrics[k] for k in ("loss", "grad_norm", "learning_rate")}
                              for _, _, metrics in read])
-    writer.check()  # a background save that failed stops the run now
+    confirm(writer.check())  # a background save that failed stops the run now
     now = time.perf_counter()
     tokens = sum(cfg.stages[i].batch_size * cfg.stages[i].seq_len for _, i, _ in read)
     tokens_per_s = tokens / max(now - tick, 1e-9)
@@ -720,19 +728,21 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
             # Every process says so: its log shows the step it agreed on.
             print(f"\nSIGTERM: saved step {step} in {checkpoints_dir}; exiting.", flush=True)
             return summary
-          saved = False
+          saved = None
           if due_save:
             saved = save(stage_index, batches, batch)
-          if is_main and pbar is None and (valid is not None or saved):
+            if saved is False and step == cfg.total_steps:
+              saved = writer.wait() is not None  # nothing left to overlap the write with
+          if is_main and pbar is None and (valid is not None or saved is not None):
             # Without a progress bar, a line per evaluation and checkpoint shows progress in a
             # log.
             done = [f"step {step}/{cfg.total_steps} (stage {stage_index}): loss {loss:.4f}",
                     *(f"{k} {v:.4f}" for k, v in {**derived, **(valid or {})}.items()),
                     f"{tokens_per_s:,.0f} tokens/s"]
-            if saved:
-              done.append(f"saved step {step}")
+            if saved is not None:
+              done.append(f"saved step {step}" if saved else f"saving step {step}")
             print(", ".join(done), flush=True)
-      writer.wait()
+      confirm(writer.wait())
       return summary
   finally:
     if pbar is not None:
@@ -743,5 +753,6 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
       try:
         plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)
       except (OSError, DamagedLogError) as e:
-        print(f"warning: could not write {logdir / 'curves.png'}: {e}", file=sys.stderr)
+        why = e.strerror if isinstance(e, OSError) and e.strerror else e
+        print(f"warning: could not write {logdir / 'curves.png'}: {why}", file=sys.stderr)
     writer.close()

@@ -4,12 +4,13 @@ curves plot."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from longformer_jax.io import atomic_write, save_figure
+from longformer_jax.io import WriteError, append_line, atomic_write, save_figure
 
 
 class DamagedLogError(RuntimeError):
@@ -53,7 +54,12 @@ class MetricsLog:
 
   On resume, records after the restored step are dropped first: the resumed run logs them
   again, and the curves show each step once. A torn last line (`read_log`) is dropped with a
-  one-line warning; a damaged line before it raises `DamagedLogError`.
+  one-line warning; a damaged line before it raises `DamagedLogError`. A write that fails (a
+  full disk) raises `io.WriteError` naming the file.
+
+  TensorBoard receives the finite values only: a NaN or infinite metric (a diverging run, which
+  stops with its own error) is in metrics.jsonl, and tensorboardX would print a warning of its
+  own for it.
   """
 
   def __init__(self, workdir: Path, resume_step: int, enabled: bool = True):
@@ -70,10 +76,16 @@ class MetricsLog:
               "cut short leaves (e.g. on a full disk)", file=sys.stderr, flush=True)
       kept = [r for r in records if r.get("step", 0) <= resume_step]
       atomic_write(self.path, "".join(json.dumps(r) + "\n" for r in kept))
-    self._file = open(self.path, "a", encoding="utf-8")
+    try:
+      self._file = open(self.path, "a", encoding="utf-8")
+    except OSError as e:
+      raise WriteError(self.path, e) from None
     try:
       from tensorboardX import SummaryWriter
       self._tb = SummaryWriter(str(workdir / "tensorboard"))
+    except OSError as e:
+      self._file.close()
+      raise WriteError(workdir / "tensorboard", e) from None
     except ImportError:
       print("note: tensorboardX is not installed; TensorBoard logs skipped "
             "(pip install tensorboardX); metrics.jsonl has everything.")
@@ -82,16 +94,19 @@ class MetricsLog:
     if not self.enabled:
       return
     record = {"step": step, **{k: float(v) for k, v in scalars.items()}}
-    self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    append_line(self._file, self.path, json.dumps(record))
     if self._tb is not None:
-      for k, v in scalars.items():
-        self._tb.add_scalar(k, float(v), step)
+      for k, v in record.items():
+        if k != "step" and math.isfinite(v):
+          self._tb.add_scalar(k, v, step)
 
   def close(self) -> None:
     if not self.enabled:
       return
-    self._file.close()
+    try:
+      self._file.close()
+    except OSError:
+      pass  # what did not reach the file was reported by `write`
     if self._tb is not None:
       self._tb.close()
 

@@ -25,7 +25,8 @@ one line). The same function (`tasks.charlm.evaluate_run`) scores the test split
 Prints the BPC and writes JSON (default <workdir>/bpc_<dataset>_<split>_<protocol>.json, or
 bpc_file_<name>_<protocol>.json with --file), after checking, before evaluating, that it can be
 written. A result that is not finite (broken weights) is an error: exit status 1, no JSON. Exit
-status: 0 done; 1 no run in --workdir, no usable checkpoint, or a result that is not finite (one
+status: 0 done; 1 no run in --workdir, no usable checkpoint, a result that is not finite, or a
+JSON that could not be written after all (a disk that filled: the line holds the result) (one
 `error:` line); 2 a bad setting, a --file or --dataset that cannot be scored, an output that cannot
 be written, or a run of another kind in --workdir (one `eval.bpc: error:` line naming it), each
 checked before the evaluation starts.
@@ -33,14 +34,13 @@ checked before the evaluation starts.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 from longformer_jax.cli.driver import (
     EXIT_FAILED, EXIT_OK, USAGE_ERRORS, Parser, add_distributed_args, fail,
     initialize_distributed, nonnegative_int, parse_settings, positive_int, printed_config,
-    usage_error)
+    usage_error, write_result)
 from longformer_jax.training import presets
 
 
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
   from longformer_jax.tasks.charlm import (
       check_bpc_settings, check_bytes, describe, evaluate_run, run_data)
   from longformer_jax.tasks.runs import read_run
-  from longformer_jax.io import atomic_write, check_writable
+  from longformer_jax.io import check_writable
   initialize_distributed(args)
 
   # Everything is checked before any evaluation: the settings, the run, the data, the output.
@@ -146,8 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     if not math.isfinite(result["bpc"]):
       return fail(f"the result is not finite (bpc {result['bpc']}): the checkpoint's weights "
                   f"are not usable; nothing written")
-    atomic_write(out, json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    return write_result(out, result)
   return EXIT_OK if math.isfinite(result["bpc"]) else EXIT_FAILED
 
 

@@ -25,13 +25,12 @@ evaluation.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
 from longformer_jax.cli.driver import (
     EXIT_OK, Parser, fail, nonnegative_int, positive_int, parse_settings, printed_config,
-    usage_error)
+    usage_error, write_result)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
 
   from etils import epath
   from longformer_jax.checkpoint import CheckpointError
-  from longformer_jax.io import atomic_write, check_writable
+  from longformer_jax.io import check_writable
   from longformer_jax.tasks import mlm
   try:
     out = epath.Path(args.output or epath.Path(args.workdir) / f"mlm_{args.split}.json")
@@ -86,9 +85,7 @@ def main(argv: list[str] | None = None) -> int:
   print(f"{result['dataset']} {mlm.describe(result)}")
   if not math.isfinite(result["loss"]):
     return fail(f"the result is not finite (loss {result['loss']}); nothing written")
-  atomic_write(out, json.dumps(result, indent=2) + "\n")
-  print(f"wrote {out}")
-  return EXIT_OK
+  return write_result(out, result)
 
 
 def _evaluate_init(args: argparse.Namespace, mlm) -> dict:
