@@ -638,12 +638,6 @@ def load_params_with_step(path: str | os.PathLike, abstract_params: Any, *,
   return _newest_good(directory, step, restore)
 
 
-def latest_step(path: str | os.PathLike) -> int | None:
-  """The latest committed step of the train-state checkpoints under `path` (a workdir or its
-  checkpoints/ directory), verified or not; None if there are none."""
-  return max(checkpoint_steps(path), default=None)
-
-
 def checkpoint_steps(path: str | os.PathLike) -> list[int]:
   """The committed steps of the train-state checkpoints under `path` (a workdir or its
   checkpoints/ directory), ascending; incomplete saves (Orbax's temporary directories) are not

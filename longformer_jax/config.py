@@ -406,10 +406,6 @@ class LEDConfig(_FrozenConfig):
     return check_windows(_per_layer(self.attention_window, self.encoder_layers,
                                     "attention_window"), self.encoder_layers)
 
-  @property
-  def decoder_head_dim(self) -> int:
-    return self.d_model // self.decoder_attention_heads
-
   @classmethod
   def base(cls, **changes) -> LEDConfig:
     """allenai/led-base-16384: BART-base (6 + 6 layers, d_model 768, 12 heads, ffn 3072) with

@@ -394,7 +394,10 @@ def test_a_failed_save_stops_the_run_at_the_next_step(files, reference):
   # A write past 16 KB fails with EFBIG, as a full disk fails with ENOSPC (SIGXFSZ, which would
   # kill the process instead, is ignored). The run's small files stay below it; every
   # checkpoint does not. Set by the shell: a fork of this (threaded) process could deadlock.
-  proc = _run(["bash", "-c", 'trap "" XFSZ; ulimit -f 16; exec "$@"', "limit",
+  # The persistent compilation cache is off in that process: the limit would truncate the
+  # entries it writes, which every later run of the session would then read.
+  proc = _run(["bash", "-c", 'trap "" XFSZ; ulimit -f 16; export JAX_ENABLE_COMPILATION_CACHE='
+               'false; exec "$@"', "limit",
                *_train_command(files, workdir)])
   assert proc.returncode == 1
   *plot, error = _stderr_lines(proc)
