@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from longformer_jax import checkpoint, convert, modeling, segments
-from longformer_jax.config import LongformerConfig
+from longformer_jax import checkpoint, convert, led, modeling, segments
+from longformer_jax.config import LEDConfig, LongformerConfig
 from longformer_jax.tasks import truncation
 
 pytestmark = pytest.mark.unit
@@ -270,6 +270,14 @@ def test_extend_vocabulary_keeps_old_outputs_and_round_trips(tmp_path):
   np.testing.assert_array_equal(loaded(new_ids).logits, grown(new_ids).logits)
   with pytest.raises(ValueError, match="num_new"):
     convert.extend_vocabulary(model, 0)
+  # LED: the shared table (encoder, decoder and LM head) and final_logits_bias grow together.
+  led_model = led.LEDForConditionalGeneration(LEDConfig.tiny(), rngs=nnx.Rngs(0))
+  led_grown = convert.extend_vocabulary(led_model, 3)
+  v = led_model.config.vocab_size
+  assert led_grown.config.vocab_size == led_grown.led.config.vocab_size == v + 3
+  assert led_grown.led.shared.embedding.shape[0] == led_grown.final_logits_bias.shape[0] == v + 3
+  np.testing.assert_array_equal(led_grown.led.shared.embedding[...][:v],
+                                led_model.led.shared.embedding[...])
 
 
 # ----------------------------------------------------------------------------------------------
