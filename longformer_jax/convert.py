@@ -10,6 +10,8 @@
   roberta_to_longformer(source) HF RoBERTa -> our Longformer, by the paper's recipe
                                 (docs/design.md §5.3)
   bart_to_led(source)           HF BART -> our LED, by the paper's recipe (paper §6)
+  extend_vocabulary(model, n)   a copy of our model with n new token ids (marker tokens), the
+                                new embedding rows drawn from the table's statistics
 
 A directory holds `config.json` and `model.safetensors` (or its sharded index) or
 `pytorch_model.bin`; `save_pretrained` writes the first two. Reading and writing
@@ -37,6 +39,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -930,6 +933,75 @@ def bart_to_led(source, max_positions: int = 16384, window: int = 512, *,
   arch = arch.replace("Bart", "LED") if arch else None
   return _from_weights(_FAMILIES["led"], led_config, led_weights, arch, None, rngs,
                        config_changes, where)
+
+
+# ----------------------------------------------------------------------------------------------
+# New tokens.
+
+
+def extend_vocabulary(model: nnx.Module, num_new: int, *, seed: int = 0) -> nnx.Module:
+  """A copy of `model` whose vocabulary has `num_new` more ids, `vocab_size .. vocab_size +
+  num_new - 1` (new marker tokens, as WikiHop's `[q] [/q] [ent] [/ent]`); `model` is unchanged.
+
+  Every parameter with a vocabulary axis (its logical axis "vocab": the word embedding table,
+  tied to the LM head's decoder, and an LM head's bias or LED's `final_logits_bias`) grows along
+  it. The old entries are bit-identical, so every input of old ids gives the same outputs and
+  the same old-id logits as before. New rows of a table are drawn, per feature, from a normal
+  with the mean and standard deviation of that feature over the old rows (float32 statistics,
+  stored in the parameter's dtype); new entries of a bias take the old entries' mean. The config
+  (every module's `config`) gets the new `vocab_size`, so `checkpoint.save_model` and
+  `load_model` round-trip the grown model as they do any other. The new arrays are on the
+  default device: reshard a model laid out on a mesh afterwards.
+
+  Args:
+    model: one of our models with a `config` holding `vocab_size`.
+    num_new: ids to add, >= 1.
+    seed: seeds the new rows (the same seed gives the same rows).
+  """
+  if not isinstance(num_new, int) or isinstance(num_new, bool) or num_new < 1:
+    raise ValueError(f"num_new must be an int >= 1, got {num_new!r}")
+  config = getattr(model, "config", None)
+  if not isinstance(getattr(config, "vocab_size", None), int):
+    raise TypeError(f"extend_vocabulary needs a model whose config has vocab_size; got "
+                    f"{type(model).__name__}")
+  old_size = config.vocab_size
+  new_config = config.replace(vocab_size=old_size + num_new)  # checks the bound
+  grown = nnx.clone(model)
+  nodes = list(nnx.iter_graph(grown))
+  key = jax.random.key(seed)
+  changed = []
+  for i, (path, node) in enumerate(nodes):
+    if not isinstance(node, nnx.Param):
+      continue
+    axes = tuple(node.get_metadata().get("out_sharding") or ())
+    if "vocab" not in axes:
+      continue
+    axis = axes.index("vocab")
+    old = node[...]
+    name = ".".join(map(str, path))
+    if old.shape[axis] != old_size:
+      raise ValueError(f"parameter {name} has {old.shape[axis]} entries along its vocabulary "
+                       f"axis; the config says vocab_size={old_size}")
+    stats = jnp.asarray(old, jnp.float32)
+    mean = jnp.mean(stats, axis=axis, keepdims=True)
+    new_shape = old.shape[:axis] + (num_new,) + old.shape[axis + 1:]
+    if old.ndim == 1:
+      new = jnp.broadcast_to(mean, new_shape)
+    else:
+      noise = jax.random.normal(jax.random.fold_in(key, i), new_shape, jnp.float32)
+      new = mean + jnp.std(stats, axis=axis, keepdims=True) * noise
+    node.set_value(jnp.concatenate([old, new.astype(old.dtype)], axis=axis))
+    changed.append(name)
+  if not changed:
+    raise TypeError(f"{type(model).__name__} has no parameter with a vocabulary axis")
+  for _, node in nodes:
+    if isinstance(node, nnx.Module):
+      if getattr(node, "config", None) == config:
+        node.config = new_config
+      if isinstance(node, nnx.Embed) and node.num_embeddings == old_size and (
+          node.embedding.shape[0] == old_size + num_new):
+        node.num_embeddings = old_size + num_new
+  return grown
 
 
 # The models' `save_pretrained` / `from_pretrained` methods (pretrained.HFCheckpointMixin).
