@@ -351,3 +351,18 @@ def test_segments_are_encoded_apart_and_stitched():
     model(ids, mask, sentences, segment_length=5)
   with pytest.raises(ValueError, match=r"sentence_ids must have shape \(1, 12\)"):
     model(ids, mask, sentences[:, :6])
+
+
+def test_a_saved_model_loads_back_through_the_allow_list(model, tmp_path):
+  """The coreference model is on the checkpoint allow-list (checkpoint.MODEL_CLASSES): it saves
+  and loads back, its nested encoder config included, with the same parameters."""
+  from longformer_jax import checkpoint
+  checkpoint.save_model(tmp_path / "coref", model)
+  loaded = checkpoint.load_model(tmp_path / "coref")
+  assert type(loaded) is coref.LongformerForCoreference and loaded.config == model.config
+  want, got = nnx.to_flat_state(nnx.state(model, nnx.Param)), nnx.to_flat_state(
+      nnx.state(loaded, nnx.Param))
+  assert len(want) == len(got) > 10
+  for (path, w), (same_path, g) in zip(want, got):
+    assert path == same_path
+    np.testing.assert_array_equal(np.asarray(g[...]), np.asarray(w[...]))

@@ -29,6 +29,7 @@ from flax import nnx
 import longformer_jax
 from longformer_jax import checkpoint, convert, modeling
 from longformer_jax.config import CharLMConfig, LEDConfig, LongformerConfig
+from longformer_jax.coref import CorefConfig
 from longformer_jax.io import open_regular, read_json
 from longformer_jax.training.config import config_from_record, config_record
 from testing import ROOT, subprocess_env
@@ -45,6 +46,7 @@ TINY_CONFIGS = {
         attention_window=2),
     "longformer_jax.config:LEDConfig": LEDConfig.tiny(d_model=16, vocab_size=32,
                                                       encoder_ffn_dim=24, decoder_ffn_dim=24),
+    "longformer_jax.coref:CorefConfig": CorefConfig.tiny(encoder=TINY),
 }
 
 
