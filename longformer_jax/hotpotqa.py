@@ -1,0 +1,267 @@
+"""HotpotQA's two-stage multi-task reader (paper §6) on `LongformerModel`: the model, its loss
+and the decoding of its outputs into HotpotQA's official prediction format.
+
+    >>> from longformer_jax import hotpotqa
+    >>> from longformer_jax.data import hotpotqa as hq
+    >>> model = hotpotqa.LongformerForHotpotQA(config, rngs=nnx.Rngs(0))
+    >>> batch = hq.stack_layouts(layouts)                        # rows of `hq.build_layout`
+    >>> out = model(**hotpotqa.model_inputs(batch), max_global=max_global)
+    >>> loss, parts = hotpotqa.hotpot_loss(out, batch, weights=hotpotqa.STAGE2_WEIGHTS)
+    >>> chosen = hotpotqa.stage1_selection(layouts, out.paragraph_logits, k=2)     # stage 1
+    >>> preds = hotpotqa.predictions(layouts, hotpotqa.decode(out, max_answer_length=30),
+    ...                              sp_threshold=0.5)                              # stage 2
+    >>> longformer_jax.tasks.hotpot_scores(predictions=preds, golds=records)
+
+Stage 1 reads the question with all ten paragraphs and scores each [p] marker (paragraph
+relevance); its top-k paragraphs (k = 2 by default) go to stage 2, which reads the question with
+them and predicts, multi-task, the answer span (start / end logits over the titles and
+sentences), the question type (span / yes / no, from <s>) and the supporting sentences (one
+logit per [s] marker). Both stages are this class, trained with different loss weights
+(`STAGE1_WEIGHTS`, `STAGE2_WEIGHTS`).
+
+Shape letters: B batch, N positions, E hidden, P paragraph slots, S sentence slots, A answer
+occurrences, T question types (3).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from longformer_jax.config import LongformerConfig
+from longformer_jax.data import hotpotqa as hq
+from longformer_jax.modeling import LongformerModel, _classifier, check_ids
+from longformer_jax.tasks.qa_metrics import all_occurrence_span_loss
+
+__all__ = [
+    "HotpotLossWeights", "HotpotQAOutput", "LongformerForHotpotQA", "STAGE1_WEIGHTS",
+    "STAGE2_WEIGHTS", "decode", "hotpot_loss", "model_inputs", "predictions",
+    "stage1_selection",
+]
+
+# Logits of positions and slots that cannot be chosen (float32: exp underflows to 0).
+_NEG = -1e9
+NUM_TYPES = len(hq.QUESTION_TYPES)
+
+
+@flax.struct.dataclass
+class HotpotQAOutput:
+  start_logits: jax.Array  # [B, N] float32, -1e9 outside the titles and sentences
+  end_logits: jax.Array  # [B, N] float32, likewise
+  type_logits: jax.Array  # [B, T] float32 (span, yes, no)
+  sentence_logits: jax.Array  # [B, S] float32, -1e9 on empty slots
+  paragraph_logits: jax.Array  # [B, P] float32, -1e9 on empty slots
+  hidden_states: tuple[jax.Array, ...] | None = None
+  attentions: tuple[jax.Array, ...] | None = None
+
+
+class _FeedForward(nnx.Module):
+  """dropout -> dense (E -> E) -> GELU -> dropout -> dense (E -> out): the two-layer head the
+  paper puts on the <s>, [s] and [p] states."""
+
+  def __init__(self, config: LongformerConfig, num_out: int, rngs: nnx.Rngs):
+    self.dense = _classifier(config, config.hidden_size, rngs)
+    self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
+    self.out_proj = _classifier(config, num_out, rngs)
+
+  def __call__(self, x_BxYxE: jax.Array) -> jax.Array:
+    x_BxYxE = jax.nn.gelu(self.dense(self.dropout(x_BxYxE)), approximate=False)
+    return self.out_proj(self.dropout(x_BxYxE))
+
+
+def _gather(hidden_BxNxE: jax.Array, positions_BxY: jax.Array) -> jax.Array:
+  """The states at `positions` [B, Y, E] (static Y; positions clipped into the row)."""
+  n = hidden_BxNxE.shape[1]
+  positions_BxY = jnp.clip(jnp.asarray(positions_BxY, jnp.int32), 0, n - 1)
+  return jnp.take_along_axis(hidden_BxNxE, positions_BxY[:, :, None], axis=1)
+
+
+def _masked(logits, mask):
+  logits = logits.astype(jnp.float32)
+  return logits if mask is None else jnp.where(jnp.asarray(mask) != 0, logits, _NEG)
+
+
+class LongformerForHotpotQA(nnx.Module):
+  """The HotpotQA reader: answer start / end logits at every position, question-type logits from
+  <s>, evidence logits at the [s] markers and relevance logits at the [p] markers (two-layer
+  heads; the span head is one linear layer, as `LongformerForQuestionAnswering`'s, so its
+  weights load from a QA checkpoint under the same name `qa_outputs`).
+
+  Parameters: `longformer` (the encoder), `qa_outputs`, `type_head`, `sentence_head`,
+  `paragraph_head`.
+  """
+
+  def __init__(self, config: LongformerConfig, *, rngs: nnx.Rngs,
+               mesh: jax.sharding.Mesh | None = None, seq_axis: str | None = None):
+    self.config = config
+    self.longformer = LongformerModel(config, add_pooling_layer=False, rngs=rngs, mesh=mesh,
+                                      seq_axis=seq_axis)
+    self.qa_outputs = _classifier(config, 2, rngs)
+    self.type_head = _FeedForward(config, NUM_TYPES, rngs)
+    self.sentence_head = _FeedForward(config, 1, rngs)
+    self.paragraph_head = _FeedForward(config, 1, rngs)
+
+  def __call__(self, input_ids, attention_mask=None, global_attention_mask=None, *,
+               paragraph_positions, sentence_positions, paragraph_mask=None,
+               sentence_mask=None, context_mask=None, **kwargs) -> HotpotQAOutput:
+    """Runs the reader on rows of `data.hotpotqa.build_layout` (`model_inputs(batch)` gives
+    these arguments).
+
+    Args:
+      input_ids, attention_mask, global_attention_mask: [B, N], as `LongformerModel`'s (the
+        layout's global mask: <s>, the question and every marker; under jit pass max_global).
+      paragraph_positions [B, P], sentence_positions [B, S]: the [p] and [s] markers' positions
+        (static P and S; empty slots hold any position and are masked).
+      paragraph_mask [B, P], sentence_mask [B, S]: 1 on real slots; empty ones get -1e9.
+      context_mask [B, N]: 1 where an answer may start and end (the titles and sentences);
+        elsewhere the span logits are -1e9. None: nowhere masked.
+      **kwargs: the other arguments of `LongformerModel.__call__` (max_global, ...).
+    """
+    check_ids(input_ids, 2, "[batch, seq]")
+    out = self.longformer(input_ids, attention_mask, global_attention_mask, **kwargs)
+    hidden_BxNxE = out.last_hidden_state
+    logits_BxNx2 = self.qa_outputs(hidden_BxNxE)
+    type_BxT = self.type_head(hidden_BxNxE[:, :1])[:, 0]
+    sentence_BxS = self.sentence_head(_gather(hidden_BxNxE, sentence_positions))[..., 0]
+    paragraph_BxP = self.paragraph_head(_gather(hidden_BxNxE, paragraph_positions))[..., 0]
+    return HotpotQAOutput(
+        start_logits=_masked(logits_BxNx2[..., 0], context_mask),
+        end_logits=_masked(logits_BxNx2[..., 1], context_mask),
+        type_logits=type_BxT.astype(jnp.float32),
+        sentence_logits=_masked(sentence_BxS, sentence_mask),
+        paragraph_logits=_masked(paragraph_BxP, paragraph_mask),
+        hidden_states=out.hidden_states, attentions=out.attentions)
+
+
+_INPUTS = ("input_ids", "attention_mask", "global_attention_mask", "paragraph_positions",
+           "sentence_positions", "paragraph_mask", "sentence_mask", "context_mask")
+
+
+def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
+  """The model's arguments from a batch of `data.hotpotqa.stack_layouts` (its labels left out)."""
+  return {name: batch[name] for name in _INPUTS}
+
+
+# ----------------------------------------------------------------------------------------------
+# Loss
+
+
+@dataclasses.dataclass(frozen=True)
+class HotpotLossWeights:
+  """The multi-task loss's weights: answer span, question type, evidence sentences, paragraph
+  relevance."""
+  span: float = 1.0
+  type: float = 1.0
+  sentence: float = 1.0
+  paragraph: float = 1.0
+
+
+# Stage 1 selects paragraphs; stage 2 answers, types and finds the evidence (the paper's split).
+STAGE1_WEIGHTS = HotpotLossWeights(span=0.0, type=0.0, sentence=0.0, paragraph=1.0)
+STAGE2_WEIGHTS = HotpotLossWeights(span=1.0, type=1.0, sentence=1.0, paragraph=0.0)
+
+
+def _masked_mean(values, mask):
+  mask = jnp.asarray(mask, jnp.float32)
+  return jnp.sum(values * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def hotpot_loss(outputs: HotpotQAOutput, batch: Mapping[str, Any], *,
+                weights: HotpotLossWeights = HotpotLossWeights()
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """(total, {"span", "type", "sentence", "paragraph"}): the weighted sum of four masked means.
+
+  span: `qa_metrics.all_occurrence_span_loss` over every occurrence of the answer in the row
+    (batch answer_starts / answer_ends [B, A], -1 padded), averaged over the rows of span
+    questions that have one (a yes / no row, or one whose answer was truncated away, adds 0).
+  type: softmax cross-entropy of type_logits against type_labels [B], over every row.
+  sentence, paragraph: binary cross-entropy of each [s] / [p] logit against sentence_labels
+    [B, S] / paragraph_labels [B, P], averaged over the real slots (sentence_mask,
+    paragraph_mask).
+  A part whose weight is 0 is still reported (and costs nothing in the gradient).
+  """
+  starts_BxA = jnp.asarray(batch["answer_starts"], jnp.int32)
+  span_B = all_occurrence_span_loss(outputs.start_logits, outputs.end_logits, starts_BxA,
+                                    jnp.asarray(batch["answer_ends"], jnp.int32))
+  has_span_B = jnp.any(starts_BxA >= 0, axis=-1) & (jnp.asarray(batch["type_labels"]) == 0)
+  span = _masked_mean(span_B, has_span_B)
+  type_ = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+      outputs.type_logits, jnp.asarray(batch["type_labels"], jnp.int32)))
+  sentence = _masked_mean(optax.sigmoid_binary_cross_entropy(
+      outputs.sentence_logits, jnp.asarray(batch["sentence_labels"], jnp.float32)),
+      batch["sentence_mask"])
+  paragraph = _masked_mean(optax.sigmoid_binary_cross_entropy(
+      outputs.paragraph_logits, jnp.asarray(batch["paragraph_labels"], jnp.float32)),
+      batch["paragraph_mask"])
+  parts = {"span": span, "type": type_, "sentence": sentence, "paragraph": paragraph}
+  total = sum(getattr(weights, name) * value for name, value in parts.items())
+  return total, parts
+
+
+# ----------------------------------------------------------------------------------------------
+# Predictions
+
+
+def stage1_selection(layouts: Sequence[hq.Layout], paragraph_logits_BxP, *, k: int = 2,
+                     num_paragraphs: Sequence[int] | None = None) -> list[list[int]]:
+  """Per row, the indices (into its record's context) of the k paragraphs stage 2 reads: the
+  k highest [p] logits of the stage-1 row (`data.hotpotqa.select_paragraphs`), in context order.
+
+  num_paragraphs: each record's paragraph count (default: the paragraphs its row read and the
+    highest index among them + 1). A paragraph stage 1 truncated away is chosen only to fill k.
+  """
+  logits = np.asarray(paragraph_logits_BxP, np.float64)
+  chosen = []
+  for row, layout in enumerate(layouts):
+    count = (num_paragraphs[row] if num_paragraphs is not None
+             else max((i for i, _ in layout.paragraphs), default=-1) + 1)
+    scores = hq.paragraph_scores(layout, logits[row], count)
+    chosen.append(hq.select_paragraphs(scores, k))
+  return chosen
+
+
+def decode(outputs: HotpotQAOutput, *, max_answer_length: int = 30) -> dict[str, jax.Array]:
+  """The stage-2 decisions, arrays under jit: start, end [B] (row positions, end inclusive, the
+  best span with start <= end < start + max_answer_length by start + end logit), type [B]
+  (argmax of type_logits: 0 span, 1 yes, 2 no), sentence_probs [B, S] (sigmoid of the evidence
+  logits; empty slots ~0)."""
+  # Imported here: finetune_kinds imports the whole fine-tuning layer.
+  from longformer_jax.tasks.finetune_kinds import best_spans
+  start_B, end_B, _ = best_spans(outputs.start_logits, outputs.end_logits, max_answer_length)
+  return {"start": start_B, "end": end_B, "type": jnp.argmax(outputs.type_logits, axis=-1),
+          "sentence_probs": jax.nn.sigmoid(outputs.sentence_logits)}
+
+
+def predictions(layouts: Sequence[hq.Layout], decoded: Mapping[str, Any], *,
+                sp_threshold: float = 0.5, min_sentences: int = 0) -> dict[str, dict]:
+  """HotpotQA's official prediction object {"answer": {id: text}, "sp": {id: [[title,
+  sentence id], ...]}} from stage-2 rows and their `decode`d outputs.
+
+  The answer is "yes" / "no" when the type says so, else the text of the predicted span
+  (`data.hotpotqa.answer_text`). The supporting facts are the [s] slots whose probability is
+  above sp_threshold, in row order; min_sentences: at least this many, the most probable first
+  (HotpotQA's gold always has >= 2; 0 keeps the threshold's choice alone).
+  """
+  if not 0.0 <= sp_threshold <= 1.0:
+    raise ValueError(f"sp_threshold must be a probability in [0, 1], got {sp_threshold!r}")
+  starts, ends = np.asarray(decoded["start"]), np.asarray(decoded["end"])
+  types, probs = np.asarray(decoded["type"]), np.asarray(decoded["sentence_probs"])
+  answers, facts = {}, {}
+  for row, layout in enumerate(layouts):
+    kind = int(types[row])
+    answers[layout.id] = (hq.QUESTION_TYPES[kind] if kind else
+                          hq.answer_text(layout, int(starts[row]), int(ends[row])))
+    p = probs[row, :len(layout.sentences)]
+    keep = set(np.flatnonzero(p > sp_threshold).tolist())
+    if len(keep) < min_sentences:
+      keep |= set(np.argsort(-p, kind="stable")[:min_sentences].tolist())
+    facts[layout.id] = [list(layout.sentences[s]) for s in sorted(keep)]
+  return {"answer": answers, "sp": facts}
