@@ -26,6 +26,7 @@ occurrences, T question types (3).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,8 +44,8 @@ from longformer_jax.tasks.qa_metrics import all_occurrence_span_loss
 
 __all__ = [
     "HotpotLossWeights", "HotpotQAOutput", "LongformerForHotpotQA", "STAGE1_WEIGHTS",
-    "STAGE2_WEIGHTS", "decode", "hotpot_loss", "model_inputs", "predictions",
-    "stage1_selection",
+    "STAGE2_WEIGHTS", "decode", "hotpot_loss", "model_inputs", "predictions", "run_rows",
+    "stage1_rows", "stage1_selection", "two_stage_predictions",
 ]
 
 # Logits of positions and slots that cannot be chosen (float32: exp underflows to 0).
@@ -265,3 +266,77 @@ def predictions(layouts: Sequence[hq.Layout], decoded: Mapping[str, Any], *,
       keep |= set(np.argsort(-p, kind="stable")[:min_sentences].tolist())
     facts[layout.id] = [list(layout.sentences[s]) for s in sorted(keep)]
   return {"answer": answers, "sp": facts}
+
+
+# ----------------------------------------------------------------------------------------------
+# The two-stage pipeline
+
+
+@functools.partial(nnx.jit, static_argnames=("max_global", "max_answer_length"))
+def _forward(model, inputs, max_global: int, max_answer_length: int):
+  out = model(**inputs, max_global=max_global)
+  return {"paragraph_logits": out.paragraph_logits,
+          **decode(out, max_answer_length=max_answer_length)}
+
+
+def run_rows(model: LongformerForHotpotQA, layouts: Sequence[hq.Layout], *, batch_size: int = 8,
+             max_answer_length: int = 30) -> dict[str, np.ndarray]:
+  """The model on rows of one shape, in batches of batch_size (the last one padded with copies
+  of the first row, so that one program serves every batch): {"paragraph_logits" [R, P], and
+  `decode`'s "start", "end", "type" [R], "sentence_probs" [R, S]} as host arrays. Run the model
+  in evaluation mode (`model.eval()`: no dropout)."""
+  if not layouts:
+    raise ValueError("run_rows needs at least one layout")
+  max_global = max(x.num_global for x in layouts)
+  parts: dict[str, list[np.ndarray]] = {}
+  for first in range(0, len(layouts), batch_size):
+    rows = list(layouts[first:first + batch_size])
+    real = len(rows)
+    rows += [layouts[0]] * (batch_size - real)
+    out = _forward(model, model_inputs(hq.stack_layouts(rows)), max_global, max_answer_length)
+    for name, value in out.items():
+      parts.setdefault(name, []).append(np.asarray(value)[:real])
+  return {name: np.concatenate(values) for name, values in parts.items()}
+
+
+def stage1_rows(records: Sequence[hq.HotpotRecord], encode: hq.Encoder, specials,
+                markers: hq.MarkerIds, *, max_length: int, max_question_length: int = 64
+                ) -> list[hq.Layout]:
+  """Stage 1's rows of `records`: every paragraph, one shape (as many [p] / [s] slots as the
+  records need at most)."""
+  slots = dict(max_paragraphs=max(len(r.context) for r in records),
+               max_sentences=max(sum(len(s) for _, s in r.context) for r in records))
+  return [hq.build_layout(r, encode, specials, markers, max_length=max_length,
+                          max_question_length=max_question_length, **slots) for r in records]
+
+
+def two_stage_predictions(stage1: LongformerForHotpotQA, stage2: LongformerForHotpotQA,
+                          records: Sequence[hq.HotpotRecord], encode: hq.Encoder,
+                          specials, markers: hq.MarkerIds, *, max_length: int, k: int = 2,
+                          stage2_max_length: int | None = None, max_question_length: int = 64,
+                          batch_size: int = 8, max_answer_length: int = 30,
+                          sp_threshold: float = 0.5, min_sentences: int = 0
+                          ) -> tuple[dict[str, dict], list[list[int]], list[hq.Layout]]:
+  """HotpotQA's two-stage evaluation: stage 1 reads each record's question with all its
+  paragraphs and scores the [p] markers; its k best paragraphs (`stage1_selection`) are read by
+  stage 2 with the question, whose span, type and evidence outputs become the official
+  prediction object (`predictions`).
+
+  The rows of a stage share one shape: stage 1 max_length with as many [p] / [s] slots as the
+  records need at most; stage 2 stage2_max_length (default max_length) with k [p] slots.
+  Returns (the prediction object, the paragraphs chosen per record, the stage-2 layouts).
+  """
+  rows1 = stage1_rows(records, encode, specials, markers, max_length=max_length,
+                      max_question_length=max_question_length)
+  logits = run_rows(stage1, rows1, batch_size=batch_size,
+                    max_answer_length=max_answer_length)["paragraph_logits"]
+  chosen = stage1_selection(rows1, logits, k=k, num_paragraphs=[len(r.context) for r in records])
+  slots2 = dict(max_paragraphs=k, max_sentences=max(
+      sum(len(r.context[i][1]) for i in pick) for r, pick in zip(records, chosen)))
+  rows2 = [hq.build_layout(r, encode, specials, markers, paragraphs=pick,
+                           max_length=stage2_max_length or max_length, **slots2,
+                           max_question_length=max_question_length)
+           for r, pick in zip(records, chosen)]
+  decoded = run_rows(stage2, rows2, batch_size=batch_size, max_answer_length=max_answer_length)
+  preds = predictions(rows2, decoded, sp_threshold=sp_threshold, min_sentences=min_sentences)
+  return preds, chosen, rows2

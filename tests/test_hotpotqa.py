@@ -169,15 +169,26 @@ def test_hand_layout_answer_spans_and_truncation_facts():
   full = _hand()
   (start, end), = [(a, b) for a, b in zip(full.answer_starts, full.answer_ends) if a >= 0]
   assert hq.answer_text(full, int(start), int(end)) == "w4 w5"
+  # 3 titles + 14 sentence tokens; uncut: <s> [q] 3 [/q] </s> (7) + 3 [p] + 5 [s] + 17 = 32.
   assert full.truncation == hq.Truncation(
       paragraphs=3, paragraphs_kept=3, sentences=5, sentences_kept=5, supporting=4,
-      supporting_kept=3, answer_occurrences=1, question_tokens=3, question_kept=3)
+      supporting_kept=3, answer_occurrences=1, question_tokens=3, question_kept=3,
+      document_tokens=17, document_tokens_kept=17, full_length=32)
+  assert full.truncation.complete and full.attention_mask.sum() == 32
+  # ("C", 5) names a sentence the context lacks: never within the limit.
+  assert not full.truncation.evidence_within_limit
   # max_length 24 (23 before </s>): <s> [q] q q q [/q] = 6, [p] A = 2, A's sentences 4 + 5 = 17,
   # [p] B + its first sentence 2 + 3 = 22; B's second (4) does not fit: the row ends there.
   cut = _hand(max_length=24, max_question_length=2, max_paragraphs=3, max_sentences=5)
+  # Kept: titles A, B (2) and sentences 3 + 4 + 2 of the document's 17 tokens.
   assert cut.truncation == hq.Truncation(
       paragraphs=3, paragraphs_kept=2, sentences=5, sentences_kept=3, supporting=4,
-      supporting_kept=1, answer_occurrences=1, question_tokens=3, question_kept=2)
+      supporting_kept=1, answer_occurrences=1, question_tokens=3, question_kept=2,
+      document_tokens=17, document_tokens_kept=11, full_length=32)
+  assert not cut.truncation.complete
+  block = hq.truncation_block([full, cut], 24)
+  assert block == {"max_length": 24, "examples": 2, "examples_truncated": 0.5,
+                   "document_tokens_kept": 28 / 34, "evidence_within_limit": 0.0}
   assert cut.attention_mask.sum() == 22 and cut.input_ids[21] == SPECIALS.eos
   assert cut.sentences == (("A", 0), ("A", 1), ("B", 0))
   assert cut.paragraph_mask.tolist() == [1, 1, 0] and cut.sentence_mask.tolist() == [1, 1, 1, 0, 0]
@@ -386,3 +397,30 @@ def test_generator_wiki_sentences_and_bad_arguments(capsys, tmp_path):
     gen.generate_records(2, num_paragraphs=1)
   assert gen.main(["--out", str(tmp_path / "x.json"), "--records", "0"]) == 2
   assert capsys.readouterr().err.startswith("error: n (records) must be an int >= 1, got 0")
+
+
+def test_two_stage_pipeline_runs_and_hands_over_its_choice(generated):
+  records, tokenizer = generated["records"][:3], generated["tokenizer"]
+  config = LongformerConfig.tiny(vocab_size=max(64, tokenizer.get_vocab_size()),
+                                 num_hidden_layers=1, hidden_size=32, num_attention_heads=2,
+                                 intermediate_size=64, attention_window=16)
+  stage1 = hotpotqa.LongformerForHotpotQA(config, rngs=nnx.Rngs(1))
+  stage2 = hotpotqa.LongformerForHotpotQA(config, rngs=nnx.Rngs(2))
+  encode = hq.tokenizer_encoder(tokenizer)
+  preds, chosen, rows2 = hotpotqa.two_stage_predictions(
+      stage1, stage2, records, encode, SPECIALS, generated["markers"], max_length=512,
+      stage2_max_length=256, k=2, batch_size=2, sp_threshold=0.0)
+  # Stage 1's choice is its own top 2 (recomputed from its rows), and stage 2 reads exactly it.
+  rows1 = hotpotqa.stage1_rows(records, encode, SPECIALS, generated["markers"], max_length=512)
+  logits = hotpotqa.run_rows(stage1, rows1, batch_size=2)["paragraph_logits"]
+  assert logits.shape == (3, 10)
+  assert chosen == hotpotqa.stage1_selection(rows1, logits, k=2)
+  for record, pick, row in zip(records, chosen, rows2):
+    assert [i for i, _ in row.paragraphs] == pick and len(pick) == 2
+    # Threshold 0: every sentence of the two chosen paragraphs is predicted evidence.
+    titles = {record.context[i][0] for i in pick}
+    assert preds["sp"][record.id] == [[t, j] for t, j in row.sentences]
+    assert {t for t, _ in preds["sp"][record.id]} == titles
+    assert isinstance(preds["answer"][record.id], str)
+  scores = hotpot_scores(predictions=preds, golds=[r.as_json() for r in records])
+  assert set(scores) >= {"em", "sp_em", "joint_f1"}

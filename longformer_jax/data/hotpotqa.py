@@ -42,6 +42,7 @@ __all__ = [
     "MARKER_TOKENS", "QUESTION_TYPES", "HotpotRecord", "Layout", "MarkerIds", "Truncation",
     "answer_text", "build_layout", "paragraph_scores", "parse_records", "question_type",
     "read_hotpotqa", "select_paragraphs", "stack_layouts", "tokenizer_encoder",
+    "truncation_block",
 ]
 
 # The new vocabulary entries of the layout, in MarkerIds' field order.
@@ -234,6 +235,9 @@ class Truncation:
     counted but never kept.
   answer_occurrences: the answer's token spans in the row (0 for yes / no).
   question_tokens, question_kept: the question's tokens and those kept (`max_question_length`).
+  document_tokens, document_tokens_kept: the title and sentence tokens of the paragraphs asked
+    for, and those in the row (markers, question and specials excluded).
+  full_length: the row's length uncut (specials and markers included).
   """
   paragraphs: int
   paragraphs_kept: int
@@ -244,10 +248,21 @@ class Truncation:
   answer_occurrences: int
   question_tokens: int
   question_kept: int
+  document_tokens: int
+  document_tokens_kept: int
+  full_length: int
 
   @property
   def complete(self) -> bool:
-    return (self.sentences_kept == self.sentences and self.question_kept == self.question_tokens)
+    """Nothing of the question or the paragraphs asked for was cut."""
+    return (self.document_tokens_kept == self.document_tokens
+            and self.question_kept == self.question_tokens)
+
+  @property
+  def evidence_within_limit(self) -> bool:
+    """Every supporting fact's sentence is in the row (a stage-2 row also loses the facts of
+    the paragraphs stage 1 did not select)."""
+    return self.supporting_kept == self.supporting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,11 +479,17 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
   occurrences = len(starts)
   starts, ends = starts[:max_answers], ends[:max_answers]
 
+  # What the row would hold uncut: every title and sentence of the paragraphs asked for.
+  document = [len(tokens(text, field)[0]) for i in order if record.context[i][1]
+              for text, field in ((record.context[i][0], "context title"),
+                                  *((x, "context sentence") for x in record.context[i][1]))]
   truncation = Truncation(
       paragraphs=len(order), paragraphs_kept=len(p_slots), sentences=sentences_total,
       sentences_kept=len(s_slots), supporting=len(gold_facts),
       supporting_kept=len(gold_facts & kept_facts), answer_occurrences=occurrences,
-      question_tokens=len(q_ids), question_kept=len(q_kept))
+      question_tokens=len(q_ids), question_kept=len(q_kept), document_tokens=sum(document),
+      document_tokens_kept=int(sum(context)),
+      full_length=4 + len(q_ids) + len(document) + sum(document))
   return Layout(
       id=record.id, input_ids=row(ids, specials.pad), attention_mask=row([1] * length),
       global_attention_mask=row(glob), context_mask=row(context),
@@ -528,6 +549,22 @@ def select_paragraphs(scores: Sequence[float], k: int = 2) -> list[int]:
   scores = np.asarray(scores, np.float64)
   order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
   return sorted(order[:k])
+
+
+def truncation_block(layouts: Sequence[Layout], max_length: int) -> dict[str, Any]:
+  """What the length limit did to a split's rows, the fine-tuning results' "truncation" block:
+  {"max_length", "examples", "examples_truncated" (the fraction with a question or document
+  token cut), "document_tokens_kept" (kept title and sentence tokens over all of them),
+  "evidence_within_limit" (the fraction whose supporting sentences are all in the row)}."""
+  if not layouts:
+    raise ValueError("truncation_block needs at least one layout")
+  facts = [x.truncation for x in layouts]
+  document = sum(t.document_tokens for t in facts)
+  return {"max_length": max_length, "examples": len(facts),
+          "examples_truncated": float(np.mean([not t.complete for t in facts])),
+          "document_tokens_kept": (sum(t.document_tokens_kept for t in facts) / document
+                                   if document else 1.0),
+          "evidence_within_limit": float(np.mean([t.evidence_within_limit for t in facts]))}
 
 
 # ----------------------------------------------------------------------------------------------
