@@ -199,6 +199,15 @@ def test_hand_layout_answer_spans_and_truncation_facts():
   yes = hq.build_layout(hq.HotpotRecord(**{**HAND.__dict__, "answer": "yes"}),
                         hq.tokenizer_encoder(HAND_TOKENIZER), SPECIALS, MARKERS, max_length=40)
   assert yes.type_label == 1 and (yes.answer_starts == -1).all()
+  # Whole tokens only ("w" starts many tokens and is none); case folded only when nothing
+  # matches exactly.
+  for answer, found in (("w4", ["w4"]), ("w", []), ("W4 W5", ["w4 w5"]), ("w2", ["w2"])):
+    row = hq.build_layout(hq.HotpotRecord(**{**HAND.__dict__, "answer": answer}),
+                          hq.tokenizer_encoder(HAND_TOKENIZER), SPECIALS, MARKERS, max_length=40)
+    spans = [(a, b) for a, b in zip(row.answer_starts, row.answer_ends) if a >= 0]
+    assert [hq.answer_text(row, a, b) for a, b in spans] == found, answer
+  with pytest.raises(TypeError, match=r"must return \(ids, character offsets\)"):
+    hq.build_layout(HAND, lambda text: [4, 5, 6], SPECIALS, MARKERS, max_length=40)
   with pytest.raises(ValueError, match="hand: record 0: max_length=8 leaves no room"):
     _hand(max_length=8)
   with pytest.raises(ValueError, match=r"paragraphs \[0, 0\] must be distinct indices"):

@@ -277,7 +277,8 @@ class Layout:
   sentence_positions [S], sentence_mask [S], sentence_labels [S]: likewise the [s] markers, and
     whether the sentence is a supporting fact.
   answer_starts, answer_ends: int32 [A], every occurrence of the answer in the row's titles and
-    sentences (row positions, end inclusive), -1 padded; none for yes / no answers.
+    sentences (row positions, end inclusive; whole tokens only; ignoring case when no occurrence
+    matches exactly), -1 padded; none for yes / no answers.
   type_label: `question_type` of the answer (0 without gold).
   paragraphs: the marker map of the [p] slots: (paragraph index in the record's context, title).
   sentences: the marker map of the [s] slots: (title, sentence id).
@@ -312,7 +313,12 @@ class Layout:
 
 def _encode(encode: Encoder, text: str, record: HotpotRecord, field: str,
             forbidden: Mapping[int, str]) -> tuple[np.ndarray, np.ndarray]:
-  ids, offsets = encode(text)
+  result = encode(text)
+  if not isinstance(result, (tuple, list)) or len(result) != 2:
+    raise TypeError(f"encode({text[:40]!r}) must return (ids, character offsets), got "
+                    f"{type(result).__name__}: wrap a tokenizers.Tokenizer with "
+                    f"tokenizer_encoder")
+  ids, offsets = result
   ids = np.asarray(ids, np.int64).reshape(-1)
   offsets = np.asarray(offsets, np.int64).reshape(-1, 2)
   if len(offsets) != len(ids):
@@ -325,8 +331,13 @@ def _encode(encode: Encoder, text: str, record: HotpotRecord, field: str,
   return ids, offsets
 
 
-def _occurrences(text: str, answer: str) -> list[tuple[int, int]]:
-  """Character spans of every occurrence of `answer` in `text` (overlapping ones too)."""
+def _occurrences(text: str, answer: str, fold: bool = False) -> list[tuple[int, int]]:
+  """Character spans of every occurrence of `answer` in `text` (overlapping ones too); fold:
+  ignoring case (where lower-casing keeps the text's length, so the spans stay valid)."""
+  if fold:
+    if len(text.lower()) != len(text):
+      return []
+    text, answer = text.lower(), answer.lower()
   spans, start = [], text.find(answer)
   while start >= 0 and answer:
     spans.append((start, start + len(answer)))
@@ -469,13 +480,18 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
   type_label = question_type(answer) if answer is not None else 0
   if answer is not None and type_label == 0 and answer.strip():
     piece_arr, chars_arr = np.asarray(token_piece), np.asarray(token_chars)
-    for piece, text in enumerate(pieces):
-      positions = np.flatnonzero(piece_arr == piece)
-      for a, b in _occurrences(text, answer.strip()):
-        span = _token_span(text, chars_arr[positions], a, b)
-        if span is not None:
-          starts.append(int(positions[span[0]]))
-          ends.append(int(positions[span[1]]))
+    # Exact occurrences; only when there is none, occurrences ignoring case (HotpotQA has a few
+    # answers cased otherwise than their context).
+    for fold in (False, True):
+      for piece, text in enumerate(pieces):
+        positions = np.flatnonzero(piece_arr == piece)
+        for a, b in _occurrences(text, answer.strip(), fold):
+          span = _token_span(text, chars_arr[positions], a, b)
+          if span is not None:
+            starts.append(int(positions[span[0]]))
+            ends.append(int(positions[span[1]]))
+      if starts:
+        break
   occurrences = len(starts)
   starts, ends = starts[:max_answers], ends[:max_answers]
 
