@@ -381,6 +381,9 @@ def test_generated_records_pass_the_reader_with_gold_inside(tmp_path):
   records = hq.read_hotpotqa(path)
   assert [r.as_json() for r in records] == gen.generate_records(12, seed=5)
   assert gen.generate_records(12, seed=6) != gen.generate_records(12, seed=5)
+  # The filler records' words fit a word-level tokenizer in the tiny preset's 512 ids.
+  many = hq.parse_records(gen.generate_records(300, seed=0), "many")
+  assert _tokenizer(_texts(many)).get_vocab_size() < 450
   answers = {r.answer for r in records}
   assert {"yes", "no"} <= answers and {r.type for r in records} == {"bridge", "comparison"}
   for r in records:
