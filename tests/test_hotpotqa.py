@@ -208,6 +208,14 @@ def test_hand_layout_answer_spans_and_truncation_facts():
     assert [hq.answer_text(row, a, b) for a, b in spans] == found, answer
   with pytest.raises(TypeError, match=r"must return \(ids, character offsets\)"):
     hq.build_layout(HAND, lambda text: [4, 5, 6], SPECIALS, MARKERS, max_length=40)
+  with pytest.raises(ValueError, match=r"marker ids \(4, 5, 6, 7\) must be below the model's "
+                     r"vocab_size=6"):
+    _hand(vocab_size=6)
+  with pytest.raises(ValueError, match=r"hand: record 0: question 'who wrote it' tokenizes to id "
+                     r"\d+, outside the model's vocabulary \(vocab_size=12\)"):
+    _hand(vocab_size=12)
+  with pytest.raises(ValueError, match="max_length must be an int >= 8, got 4"):
+    _hand(max_length=4)
   with pytest.raises(ValueError, match="hand: record 0: max_length=8 leaves no room"):
     _hand(max_length=8)
   with pytest.raises(ValueError, match=r"paragraphs \[0, 0\] must be distinct indices"):

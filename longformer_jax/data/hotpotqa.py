@@ -361,7 +361,8 @@ def _token_span(text: str, offsets: np.ndarray, a: int, b: int) -> tuple[int, in
 def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, markers: MarkerIds,
                  *, max_length: int, paragraphs: Sequence[int] | None = None,
                  max_question_length: int = 64, max_paragraphs: int | None = None,
-                 max_sentences: int | None = None, max_answers: int = 8) -> Layout:
+                 max_sentences: int | None = None, max_answers: int = 8,
+                 vocab_size: int | None = None) -> Layout:
   """The row of `record` (the module docstring's layout), with its labels and marker map.
 
   encode: text -> (ids, character offsets), no special tokens (`tokenizer_encoder`).
@@ -371,11 +372,21 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
   max_question_length: question tokens kept. max_paragraphs, max_sentences: the [p] / [s] slots
     (static shapes across a batch; default: this record's paragraphs, and its sentences); a row
     ends before a paragraph or sentence that finds no slot. max_answers: answer occurrences kept
-    (the first ones in reading order).
+    (the first ones in reading order). vocab_size: the model's; ids (markers included) must be
+    below it (None: not checked).
 
   Raises ValueError: a paragraph index out of range or repeated, a question with no token, a
-  text that tokenizes to a special or marker id, or a max_length with no room for one sentence.
+  text that tokenizes to a special or marker id or to an id outside vocab_size, or a max_length
+  with no room for one sentence.
   """
+  for name, value, least in (("max_length", max_length, 8), ("max_question_length",
+                                                            max_question_length, 1),
+                             ("max_answers", max_answers, 1)):
+    if not _is_int(value) or value < least:
+      raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+  if vocab_size is not None and max(dataclasses.astuple(markers)) >= vocab_size:
+    raise ValueError(f"marker ids {dataclasses.astuple(markers)} must be below the model's "
+                     f"vocab_size={vocab_size}: grow its embedding table for the new tokens")
   n_context = len(record.context)
   order = list(range(n_context)) if paragraphs is None else [int(i) for i in paragraphs]
   if any(not 0 <= i < n_context for i in order) or len(set(order)) != len(order):
@@ -388,7 +399,19 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
                specials.sep: "</s>", markers.q: "[q]", markers.q_end: "[/q]", markers.p: "[p]",
                markers.s: "[s]"}
 
-  q_ids, _ = _encode(encode, record.question, record, "question", forbidden)
+  encoded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+
+  def tokens(text: str, field: str) -> tuple[np.ndarray, np.ndarray]:
+    if text not in encoded:  # each text is sized first, then appended: encode it once
+      encoded[text] = _encode(encode, text, record, field, forbidden)
+      ids = encoded[text][0]
+      if vocab_size is not None and len(ids) and int(ids.max()) >= vocab_size:
+        raise ValueError(f"{record.source}: {field} {text[:60]!r} tokenizes to id "
+                         f"{int(ids.max())}, outside the model's vocabulary (vocab_size="
+                         f"{vocab_size}): the tokenizer does not belong to this model")
+    return encoded[text]
+
+  q_ids, _ = tokens(record.question, "question")
   if not len(q_ids):
     raise ValueError(f"{record.source}: the question {record.question[:60]!r} tokenizes to no "
                      f"tokens")
@@ -402,13 +425,6 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
   p_slots: list[tuple[int, int, str]] = []  # (position, paragraph index, title)
   s_slots: list[tuple[int, str, int]] = []  # (position, title, sentence id)
   budget = max_length - 1  # </s> ends the row
-
-  encoded: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-
-  def tokens(text: str, field: str) -> tuple[np.ndarray, np.ndarray]:
-    if text not in encoded:  # each text is sized first, then appended: encode it once
-      encoded[text] = _encode(encode, text, record, field, forbidden)
-    return encoded[text]
 
   def append(marker: int, text: str, field: str):
     tok, off = tokens(text, field)
