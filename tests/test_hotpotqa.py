@@ -66,11 +66,8 @@ def generated():
              else dict(max_length=256, max_paragraphs=2, max_sentences=10))
     return hq.build_layout(r, encode, SPECIALS, markers, paragraphs=paragraphs, **shape)
 
-  def gold(r):
-    return [i for i, (t, _) in enumerate(r.context) if t in r.supporting_titles]
-
-  stage2 = [layout(r, gold(r)) for r in records]
-  return dict(records=records, tokenizer=tokenizer, markers=markers, layout=layout, gold=gold,
+  stage2 = [layout(r, hq.gold_paragraphs(r)) for r in records]
+  return dict(records=records, tokenizer=tokenizer, markers=markers, layout=layout,
               stage2=stage2)
 
 
@@ -161,6 +158,10 @@ def test_hand_layout_marker_map_and_global_mask():
   assert len(markers) == 2 + 3 + 5 and set(markers) <= set(glob)
   assert glob.tolist() == sorted({0, 2, 3, 4, *markers.tolist()})
   assert layout.num_global == 1 + 2 + 3 + 3 + 5
+  # Local markers: only <s>, [q], the question and [/q] stay global.
+  local = _hand(global_markers=False)
+  assert np.flatnonzero(local.global_attention_mask).tolist() == [0, 1, 2, 3, 4, 5]
+  assert (local.input_ids == layout.input_ids).all()
   # Answers may start and end only in titles and sentences.
   assert not layout.context_mask[glob].any() and layout.context_mask.sum() == 3 + 14
 
@@ -271,7 +272,9 @@ def test_stage1_oracle_scores_hand_stage2_the_gold_paragraphs(generated):
   chosen = hotpotqa.stage1_selection(stage1, logits, k=2,
                                      num_paragraphs=[len(r.context) for r in records])
   for record, pick, layout in zip(records, chosen, generated["stage2"]):
-    assert pick == generated["gold"](record) and len(pick) == 2
+    assert pick == hq.gold_paragraphs(record) and len(pick) == 2
+    assert [record.context[i][0] for i in pick] == [t for t, _ in record.context
+                                                     if t in record.supporting_titles]
     assert {t for _, t in layout.paragraphs} == record.supporting_titles
     assert layout.truncation.supporting_kept == layout.truncation.supporting == 2
     assert layout.truncation.complete

@@ -40,8 +40,8 @@ from longformer_jax.data.tokenizer import SpecialIds
 
 __all__ = [
     "MARKER_TOKENS", "QUESTION_TYPES", "HotpotRecord", "Layout", "MarkerIds", "Truncation",
-    "answer_text", "build_layout", "paragraph_scores", "parse_records", "question_type",
-    "read_hotpotqa", "select_paragraphs", "stack_layouts", "tokenizer_encoder",
+    "answer_text", "build_layout", "gold_paragraphs", "paragraph_scores", "parse_records",
+    "question_type", "read_hotpotqa", "select_paragraphs", "stack_layouts", "tokenizer_encoder",
     "truncation_block",
 ]
 
@@ -362,7 +362,7 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
                  *, max_length: int, paragraphs: Sequence[int] | None = None,
                  max_question_length: int = 64, max_paragraphs: int | None = None,
                  max_sentences: int | None = None, max_answers: int = 8,
-                 vocab_size: int | None = None) -> Layout:
+                 vocab_size: int | None = None, global_markers: bool = True) -> Layout:
   """The row of `record` (the module docstring's layout), with its labels and marker map.
 
   encode: text -> (ids, character offsets), no special tokens (`tokenizer_encoder`).
@@ -374,6 +374,9 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
     ends before a paragraph or sentence that finds no slot. max_answers: answer occurrences kept
     (the first ones in reading order). vocab_size: the model's; ids (markers included) must be
     below it (None: not checked).
+  global_markers: the [p] and [s] markers attend globally (the paper's layout); False leaves
+    them local (<s>, [q], the question and [/q] stay global), each marker then reading its own
+    neighbourhood through the band.
 
   Raises ValueError: a paragraph index out of range or repeated, a question with no token, a
   text that tokenizes to a special or marker id or to an id outside vocab_size, or a max_length
@@ -430,7 +433,7 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
     tok, off = tokens(text, field)
     position = len(ids)
     ids.append(marker)
-    glob.append(1)
+    glob.append(int(global_markers))
     token_piece.append(-1)
     token_chars.append((0, 0))
     context.append(0)
@@ -570,6 +573,13 @@ def paragraph_scores(layout: Layout, slot_scores: Sequence[float], num_paragraph
   for slot, (index, _) in enumerate(layout.paragraphs):
     out[index] = float(slot_scores[slot])
   return out
+
+
+def gold_paragraphs(record: HotpotRecord) -> list[int]:
+  """The indices of the paragraphs the supporting facts name, in context order: what stage 2
+  reads when it is trained (stage 1's choice replaces them at evaluation)."""
+  titles = record.supporting_titles
+  return [i for i, (title, _) in enumerate(record.context) if title in titles]
 
 
 def select_paragraphs(scores: Sequence[float], k: int = 2) -> list[int]:
