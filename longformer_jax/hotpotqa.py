@@ -4,20 +4,25 @@ and the decoding of its outputs into HotpotQA's official prediction format.
     >>> from longformer_jax import hotpotqa
     >>> from longformer_jax.data import hotpotqa as hq
     >>> model = hotpotqa.LongformerForHotpotQA(config, rngs=nnx.Rngs(0))
-    >>> batch = hq.stack_layouts(layouts)                        # rows of `hq.build_layout`
+    >>> layouts = [hq.build_layout(r, encode, specials, markers, max_length=4096,
+    ...                            paragraphs=hq.gold_paragraphs(r), max_paragraphs=2,
+    ...                            max_sentences=40) for r in records]   # stage-2 training rows
+    >>> batch = hq.stack_layouts(layouts)
     >>> out = model(**hotpotqa.model_inputs(batch), max_global=max_global)
     >>> loss, parts = hotpotqa.hotpot_loss(out, batch, weights=hotpotqa.STAGE2_WEIGHTS)
     >>> chosen = hotpotqa.stage1_selection(layouts, out.paragraph_logits, k=2)     # stage 1
     >>> preds = hotpotqa.predictions(layouts, hotpotqa.decode(out, max_answer_length=30),
     ...                              sp_threshold=0.5)                              # stage 2
-    >>> longformer_jax.tasks.hotpot_scores(predictions=preds, golds=records)
+    >>> longformer_jax.tasks.hotpot_scores(predictions=preds, golds=[r.as_json() for r in records])
+    >>> preds, chosen, rows = hotpotqa.two_stage_predictions(stage1, stage2, records, encode,
+    ...                                                      specials, markers, max_length=4096)
 
 Stage 1 reads the question with all ten paragraphs and scores each [p] marker (paragraph
 relevance); its top-k paragraphs (k = 2 by default) go to stage 2, which reads the question with
 them and predicts, multi-task, the answer span (start / end logits over the titles and
 sentences), the question type (span / yes / no, from <s>) and the supporting sentences (one
-logit per [s] marker). Both stages are this class, trained with different loss weights
-(`STAGE1_WEIGHTS`, `STAGE2_WEIGHTS`).
+logit per [s] marker, read with its sentence's mean state). Both stages are this class,
+trained with different loss weights (`STAGE1_WEIGHTS`, `STAGE2_WEIGHTS`).
 
 Shape letters: B batch, N positions, E hidden, P paragraph slots, S sentence slots, A answer
 occurrences, T question types (3).
@@ -39,6 +44,7 @@ from flax import nnx
 
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import hotpotqa as hq
+from longformer_jax.layers import dense
 from longformer_jax.modeling import LongformerModel, _classifier, check_ids
 from longformer_jax.tasks.qa_metrics import all_occurrence_span_loss
 
@@ -65,11 +71,14 @@ class HotpotQAOutput:
 
 
 class _FeedForward(nnx.Module):
-  """dropout -> dense (E -> E) -> GELU -> dropout -> dense (E -> out): the two-layer head the
-  paper puts on the <s>, [s] and [p] states."""
+  """dropout -> dense (in -> E) -> GELU -> dropout -> dense (E -> out): the two-layer head the
+  paper puts on the <s>, [s] and [p] states (in = E, or 2E for a marker state beside its
+  span's mean state)."""
 
-  def __init__(self, config: LongformerConfig, num_out: int, rngs: nnx.Rngs):
-    self.dense = _classifier(config, config.hidden_size, rngs)
+  def __init__(self, config: LongformerConfig, num_out: int, rngs: nnx.Rngs, in_factor: int = 1):
+    self.dense = dense(in_factor * config.hidden_size, config.hidden_size, ("embed", None),
+                       init=nnx.initializers.normal(config.initializer_range),
+                       dtype=config.dtype, param_dtype=config.param_dtype, rngs=rngs)
     self.dropout = nnx.Dropout(config.hidden_dropout_prob, rngs=rngs)
     self.out_proj = _classifier(config, num_out, rngs)
 
@@ -85,6 +94,17 @@ def _gather(hidden_BxNxE: jax.Array, positions_BxY: jax.Array) -> jax.Array:
   return jnp.take_along_axis(hidden_BxNxE, positions_BxY[:, :, None], axis=1)
 
 
+def _pool(hidden_BxNxE: jax.Array, slots_BxN: jax.Array, count: int) -> jax.Array:
+  """The mean state of each slot's positions [B, count, E] (slots_BxN: the slot of each
+  position, -1 for none; an empty slot gives zeros). A one-hot contraction over N, so a
+  sequence-sharded N reduces like any matmul."""
+  one_hot_BxNxY = jax.nn.one_hot(jnp.asarray(slots_BxN, jnp.int32), count,
+                                 dtype=hidden_BxNxE.dtype)
+  sums_BxYxE = jnp.einsum("bny,bne->bye", one_hot_BxNxY, hidden_BxNxE)
+  counts_BxY = jnp.sum(one_hot_BxNxY, axis=1)
+  return sums_BxYxE / jnp.maximum(counts_BxY, 1)[..., None]
+
+
 def _masked(logits, mask):
   logits = logits.astype(jnp.float32)
   return logits if mask is None else jnp.where(jnp.asarray(mask) != 0, logits, _NEG)
@@ -95,6 +115,12 @@ class LongformerForHotpotQA(nnx.Module):
   <s>, evidence logits at the [s] markers and relevance logits at the [p] markers (two-layer
   heads; the span head is one linear layer, as `LongformerForQuestionAnswering`'s, so its
   weights load from a QA checkpoint under the same name `qa_outputs`).
+
+  A [s] (or [p]) slot is read as its marker's state beside the mean state of its sentence (its
+  paragraph): every [s] marker is the same token, and a marker's state alone singles its own
+  sentence out only through position-selective attention, which a model trained from scratch
+  learns slowly (on the generated data a tiny model's evidence loss stayed at the label prior
+  for hundreds of steps with the marker alone, and fell near 0 within 100 with the mean).
 
   Parameters: `longformer` (the encoder), `qa_outputs`, `type_head`, `sentence_head`,
   `paragraph_head`.
@@ -107,12 +133,13 @@ class LongformerForHotpotQA(nnx.Module):
                                       seq_axis=seq_axis)
     self.qa_outputs = _classifier(config, 2, rngs)
     self.type_head = _FeedForward(config, NUM_TYPES, rngs)
-    self.sentence_head = _FeedForward(config, 1, rngs)
-    self.paragraph_head = _FeedForward(config, 1, rngs)
+    self.sentence_head = _FeedForward(config, 1, rngs, in_factor=2)
+    self.paragraph_head = _FeedForward(config, 1, rngs, in_factor=2)
 
   def __call__(self, input_ids, attention_mask=None, global_attention_mask=None, *,
-               paragraph_positions, sentence_positions, paragraph_mask=None,
-               sentence_mask=None, context_mask=None, **kwargs) -> HotpotQAOutput:
+               paragraph_positions, sentence_positions, token_paragraph, token_sentence,
+               paragraph_mask=None, sentence_mask=None, context_mask=None,
+               **kwargs) -> HotpotQAOutput:
     """Runs the reader on rows of `data.hotpotqa.build_layout` (`model_inputs(batch)` gives
     these arguments).
 
@@ -121,6 +148,8 @@ class LongformerForHotpotQA(nnx.Module):
         layout's global mask: <s>, the question and every marker; under jit pass max_global).
       paragraph_positions [B, P], sentence_positions [B, S]: the [p] and [s] markers' positions
         (static P and S; empty slots hold any position and are masked).
+      token_paragraph, token_sentence [B, N]: the [p] / [s] slot of each position (-1: none).
+        A slot is represented by its marker's state beside the mean state of its span.
       paragraph_mask [B, P], sentence_mask [B, S]: 1 on real slots; empty ones get -1e9.
       context_mask [B, N]: 1 where an answer may start and end (the titles and sentences);
         elsewhere the span logits are -1e9. None: nowhere masked.
@@ -131,8 +160,13 @@ class LongformerForHotpotQA(nnx.Module):
     hidden_BxNxE = out.last_hidden_state
     logits_BxNx2 = self.qa_outputs(hidden_BxNxE)
     type_BxT = self.type_head(hidden_BxNxE[:, :1])[:, 0]
-    sentence_BxS = self.sentence_head(_gather(hidden_BxNxE, sentence_positions))[..., 0]
-    paragraph_BxP = self.paragraph_head(_gather(hidden_BxNxE, paragraph_positions))[..., 0]
+    s, p = sentence_positions.shape[-1], paragraph_positions.shape[-1]
+    sentence_BxSx2E = jnp.concatenate([_gather(hidden_BxNxE, sentence_positions),
+                                       _pool(hidden_BxNxE, token_sentence, s)], axis=-1)
+    paragraph_BxPx2E = jnp.concatenate([_gather(hidden_BxNxE, paragraph_positions),
+                                        _pool(hidden_BxNxE, token_paragraph, p)], axis=-1)
+    sentence_BxS = self.sentence_head(sentence_BxSx2E)[..., 0]
+    paragraph_BxP = self.paragraph_head(paragraph_BxPx2E)[..., 0]
     return HotpotQAOutput(
         start_logits=_masked(logits_BxNx2[..., 0], context_mask),
         end_logits=_masked(logits_BxNx2[..., 1], context_mask),
@@ -143,7 +177,8 @@ class LongformerForHotpotQA(nnx.Module):
 
 
 _INPUTS = ("input_ids", "attention_mask", "global_attention_mask", "paragraph_positions",
-           "sentence_positions", "paragraph_mask", "sentence_mask", "context_mask")
+           "sentence_positions", "token_paragraph", "token_sentence", "paragraph_mask",
+           "sentence_mask", "context_mask")
 
 
 def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -158,6 +158,15 @@ def test_hand_layout_marker_map_and_global_mask():
   assert len(markers) == 2 + 3 + 5 and set(markers) <= set(glob)
   assert glob.tolist() == sorted({0, 2, 3, 4, *markers.tolist()})
   assert layout.num_global == 1 + 2 + 3 + 3 + 5
+  # The span of each slot the heads pool over: a sentence's marker and tokens; a paragraph's
+  # marker, title and sentences.
+  expect_s, expect_p = np.full(40, -1), np.full(40, -1)
+  for slot, (a, b) in enumerate([(8, 12), (12, 17), (19, 22), (22, 26), (28, 31)]):
+    expect_s[a:b] = slot
+  for slot, (a, b) in enumerate([(6, 17), (17, 26), (26, 31)]):
+    expect_p[a:b] = slot
+  assert layout.token_sentence.tolist() == expect_s.tolist()
+  assert layout.token_paragraph.tolist() == expect_p.tolist()
   # Local markers: only <s>, [q], the question and [/q] stay global.
   local = _hand(global_markers=False)
   assert np.flatnonzero(local.global_attention_mask).tolist() == [0, 1, 2, 3, 4, 5]
@@ -447,3 +456,11 @@ def test_two_stage_pipeline_runs_and_hands_over_its_choice(generated):
     assert isinstance(preds["answer"][record.id], str)
   scores = hotpot_scores(predictions=preds, golds=[r.as_json() for r in records])
   assert set(scores) >= {"em", "sp_em", "joint_f1"}
+
+
+def test_slot_pooling_is_the_mean_of_each_span():
+  hidden = np.arange(2 * 5 * 3, dtype=np.float32).reshape(2, 5, 3)
+  slots = np.array([[-1, 0, 0, 1, -1], [2, 2, 2, -1, 0]])
+  pooled = np.asarray(hotpotqa._pool(jnp.asarray(hidden), jnp.asarray(slots), 3))
+  np.testing.assert_allclose(pooled[0], [hidden[0, 1:3].mean(0), hidden[0, 3], np.zeros(3)])
+  np.testing.assert_allclose(pooled[1], [hidden[1, 4], np.zeros(3), hidden[1, :3].mean(0)])

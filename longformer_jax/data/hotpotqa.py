@@ -282,6 +282,9 @@ class Layout:
   type_label: `question_type` of the answer (0 without gold).
   paragraphs: the marker map of the [p] slots: (paragraph index in the record's context, title).
   sentences: the marker map of the [s] slots: (title, sentence id).
+  token_sentence, token_paragraph: int32 [N], the [s] / [p] slot each row position belongs to
+    (a sentence: its marker and tokens; a paragraph: its marker, title and sentences), -1
+    elsewhere.
   pieces, token_piece, token_chars: the texts of the row (the titles and sentences), and for
     every row position the piece it came from (-1: none) and its character span in it (decoding).
   """
@@ -301,6 +304,8 @@ class Layout:
   type_label: int
   paragraphs: tuple[tuple[int, str], ...]
   sentences: tuple[tuple[str, int], ...]
+  token_sentence: np.ndarray
+  token_paragraph: np.ndarray
   pieces: tuple[str, ...]
   token_piece: np.ndarray
   token_chars: np.ndarray
@@ -484,6 +489,17 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
     out[:length] = values
     return out
 
+  # Each [s] slot's span: its marker and its sentence's tokens; each [p] slot's: its marker, its
+  # title and all its sentences (markers included). The heads pool over these.
+  token_sentence = np.full(max_length, -1, np.int32)
+  token_paragraph = np.full(max_length, -1, np.int32)
+  bounds = sorted([p for p, _, _ in p_slots] + [p for p, _, _ in s_slots] + [length - 1])
+  for slot, (pos, _, _) in enumerate(s_slots):
+    token_sentence[pos:bounds[bounds.index(pos) + 1]] = slot
+  p_bounds = [p for p, _, _ in p_slots] + [length - 1]
+  for slot, (pos, _, _) in enumerate(p_slots):
+    token_paragraph[pos:p_bounds[slot + 1]] = slot
+
   def slots(values, count):
     out = np.zeros(count, np.int32)
     out[:len(values)] = values
@@ -538,6 +554,7 @@ def build_layout(record: HotpotRecord, encode: Encoder, specials: SpecialIds, ma
       answer_ends=np.asarray(ends + [-1] * (max_answers - len(ends)), np.int32),
       type_label=type_label, paragraphs=tuple((i, t) for _, i, t in p_slots),
       sentences=tuple((t, j) for _, t, j in s_slots), pieces=tuple(pieces),
+      token_sentence=token_sentence, token_paragraph=token_paragraph,
       token_piece=row(token_piece, -1), token_chars=np.asarray(
           token_chars + [(0, 0)] * (max_length - length), np.int32),
       truncation=truncation)
@@ -613,7 +630,8 @@ def truncation_block(layouts: Sequence[Layout], max_length: int) -> dict[str, An
 # Batches
 
 
-_ROW_FIELDS = ("input_ids", "attention_mask", "global_attention_mask", "context_mask")
+_ROW_FIELDS = ("input_ids", "attention_mask", "global_attention_mask", "context_mask",
+               "token_sentence", "token_paragraph")
 _SLOT_FIELDS = ("paragraph_positions", "paragraph_mask", "paragraph_labels",
                 "sentence_positions", "sentence_mask", "sentence_labels", "answer_starts",
                 "answer_ends")
