@@ -98,11 +98,12 @@ def _pool(hidden_BxNxE: jax.Array, slots_BxN: jax.Array, count: int) -> jax.Arra
   """The mean state of each slot's positions [B, count, E] (slots_BxN: the slot of each
   position, -1 for none; an empty slot gives zeros). A one-hot contraction over N, so a
   sequence-sharded N reduces like any matmul."""
-  one_hot_BxNxY = jax.nn.one_hot(jnp.asarray(slots_BxN, jnp.int32), count,
-                                 dtype=hidden_BxNxE.dtype)
-  sums_BxYxE = jnp.einsum("bny,bne->bye", one_hot_BxNxY, hidden_BxNxE)
+  one_hot_BxNxY = jax.nn.one_hot(jnp.asarray(slots_BxN, jnp.int32), count, dtype=jnp.float32)
+  # Sums and counts in float32 (bfloat16 counts only to 256 exactly; a paragraph is longer).
+  sums_BxYxE = jnp.einsum("bny,bne->bye", one_hot_BxNxY.astype(hidden_BxNxE.dtype),
+                          hidden_BxNxE, preferred_element_type=jnp.float32)
   counts_BxY = jnp.sum(one_hot_BxNxY, axis=1)
-  return sums_BxYxE / jnp.maximum(counts_BxY, 1)[..., None]
+  return (sums_BxYxE / jnp.maximum(counts_BxY, 1)[..., None]).astype(hidden_BxNxE.dtype)
 
 
 def _masked(logits, mask):
@@ -160,7 +161,7 @@ class LongformerForHotpotQA(nnx.Module):
     hidden_BxNxE = out.last_hidden_state
     logits_BxNx2 = self.qa_outputs(hidden_BxNxE)
     type_BxT = self.type_head(hidden_BxNxE[:, :1])[:, 0]
-    s, p = sentence_positions.shape[-1], paragraph_positions.shape[-1]
+    s, p = jnp.shape(sentence_positions)[-1], jnp.shape(paragraph_positions)[-1]
     sentence_BxSx2E = jnp.concatenate([_gather(hidden_BxNxE, sentence_positions),
                                        _pool(hidden_BxNxE, token_sentence, s)], axis=-1)
     paragraph_BxPx2E = jnp.concatenate([_gather(hidden_BxNxE, paragraph_positions),
