@@ -12,6 +12,7 @@ from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from longformer_jax import hotpotqa
+from longformer_jax.tasks import hotpotqa as hotpot_task
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import hotpotqa as hq
 from longformer_jax.data import hotpotqa_generate as gen
@@ -278,7 +279,7 @@ def test_stage1_oracle_scores_hand_stage2_the_gold_paragraphs(generated):
   logits = np.where(np.stack([x.paragraph_mask for x in stage1]) == 1,
                     np.where(np.stack([x.paragraph_labels for x in stage1]) == 1, 5.0, -5.0),
                     -1e9)
-  chosen = hotpotqa.stage1_selection(stage1, logits, k=2,
+  chosen = hotpot_task.stage1_selection(stage1, logits, k=2,
                                      num_paragraphs=[len(r.context) for r in records])
   for record, pick, layout in zip(records, chosen, generated["stage2"]):
     assert pick == hq.gold_paragraphs(record) and len(pick) == 2
@@ -314,8 +315,8 @@ def test_model_heads_jit_static_shapes_finite_gradients(generated):
   @nnx.jit
   def step(model, batch):
     def loss_fn(model):
-      out = model(**hotpotqa.model_inputs(batch), max_global=max_global)
-      total, parts = hotpotqa.hotpot_loss(out, batch)
+      out = model(**hotpot_task.model_inputs(batch), max_global=max_global)
+      total, parts = hotpot_task.hotpot_loss(out, batch)
       return total, (out, parts)
     (total, (out, parts)), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
     return total, out, parts, grads
@@ -337,7 +338,7 @@ def test_model_heads_jit_static_shapes_finite_gradients(generated):
     head_grads = jax.tree_util.tree_leaves(nnx.state(getattr(grads, head), nnx.Param))
     assert any(np.abs(np.asarray(g)).sum() > 0 for g in head_grads), head
   # Stage-1 weights train the paragraph head alone; the same static shapes run again.
-  total1, parts1 = hotpotqa.hotpot_loss(out, batch, weights=hotpotqa.STAGE1_WEIGHTS)
+  total1, parts1 = hotpot_task.hotpot_loss(out, batch, weights=hotpot_task.STAGE1_WEIGHTS)
   assert float(total1) == pytest.approx(float(parts1["paragraph"]))
 
 
@@ -352,7 +353,7 @@ def test_loss_parts_on_hand_logits():
                                 type_logits=jnp.zeros((2, 3)),
                                 sentence_logits=jnp.array([[0.0, 0.0], [0.0, -1e9]]),
                                 paragraph_logits=jnp.zeros((2, 1)))
-  _, parts = hotpotqa.hotpot_loss(out, batch)
+  _, parts = hotpot_task.hotpot_loss(out, batch)
   # Uniform over 4 positions, two gold ones: -log(2/4) for start and end; row 2 has no span.
   assert float(parts["span"]) == pytest.approx(np.log(2.0))
   assert float(parts["type"]) == pytest.approx(np.log(3.0))
@@ -375,9 +376,9 @@ def test_oracle_predictions_score_one(generated):
       sentence_logits=jnp.asarray(np.where(batch["sentence_mask"] == 1,
                                            20.0 * batch["sentence_labels"] - 10.0, -1e9)),
       paragraph_logits=jnp.zeros(batch["paragraph_mask"].shape))
-  decoded = jax.jit(hotpotqa.decode, static_argnames="max_answer_length")(
+  decoded = jax.jit(hotpot_task.decode, static_argnames="max_answer_length")(
       out, max_answer_length=8)
-  preds = hotpotqa.predictions(layouts, decoded, sp_threshold=0.5)
+  preds = hotpot_task.predictions(layouts, decoded, sp_threshold=0.5)
   assert set(preds["answer"]) == {r.id for r in records}
   golds = [r.as_json() for r in records]
   scores = hotpot_scores(predictions=preds, golds=golds)
@@ -385,9 +386,9 @@ def test_oracle_predictions_score_one(generated):
   assert scores["joint_f1"] == 1.0
   # A threshold above every probability predicts no evidence: sp_em falls to 0 (the threshold
   # is live), unless min_sentences asks for the best ones anyway.
-  none = hotpotqa.predictions(layouts, decoded, sp_threshold=1.0)
+  none = hotpot_task.predictions(layouts, decoded, sp_threshold=1.0)
   assert hotpot_scores(predictions=none, golds=golds)["sp_em"] == 0.0
-  two = hotpotqa.predictions(layouts, decoded, sp_threshold=1.0, min_sentences=2)
+  two = hotpot_task.predictions(layouts, decoded, sp_threshold=1.0, min_sentences=2)
   assert hotpot_scores(predictions=two, golds=golds)["sp_em"] == 1.0
 
 
@@ -439,14 +440,14 @@ def test_two_stage_pipeline_runs_and_hands_over_its_choice(generated):
   stage1 = hotpotqa.LongformerForHotpotQA(config, rngs=nnx.Rngs(1))
   stage2 = hotpotqa.LongformerForHotpotQA(config, rngs=nnx.Rngs(2))
   encode = hq.tokenizer_encoder(tokenizer)
-  preds, chosen, rows2 = hotpotqa.two_stage_predictions(
+  preds, chosen, rows2 = hotpot_task.two_stage_predictions(
       stage1, stage2, records, encode, SPECIALS, generated["markers"], max_length=512,
       stage2_max_length=256, k=2, batch_size=2, sp_threshold=0.0)
   # Stage 1's choice is its own top 2 (recomputed from its rows), and stage 2 reads exactly it.
-  rows1 = hotpotqa.stage1_rows(records, encode, SPECIALS, generated["markers"], max_length=512)
-  logits = hotpotqa.run_rows(stage1, rows1, batch_size=2)["paragraph_logits"]
+  rows1 = hotpot_task.stage1_rows(records, encode, SPECIALS, generated["markers"], max_length=512)
+  logits = hotpot_task.run_rows(stage1, rows1, batch_size=2)["paragraph_logits"]
   assert logits.shape == (3, 10)
-  assert chosen == hotpotqa.stage1_selection(rows1, logits, k=2)
+  assert chosen == hotpot_task.stage1_selection(rows1, logits, k=2)
   for record, pick, row in zip(records, chosen, rows2):
     assert [i for i, _ in row.paragraphs] == pick and len(pick) == 2
     # Threshold 0: every sentence of the two chosen paragraphs is predicted evidence.
