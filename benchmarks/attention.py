@@ -3,6 +3,20 @@
   python benchmarks/attention.py                      # ours vs dense, batch 1, seq 1K..64K
   python benchmarks/attention.py --peers   # + pallas, cuDNN, torch flex / HF (if importable)
   python benchmarks/attention.py --seqs 1024 4096 --reps 3 --out benchmarks/results
+  python benchmarks/attention.py --op-table --seqs 4096 16384 --rounds 5   # like with like
+
+`--op-table` times every row in interleaved rounds in one process (each round runs every row
+`--calls` times, in a rotated order) and reports, per row, the fastest call (the least disturbed
+by load) with the median beside it, the ratio to the chunked path per round (fastest call of each
+row in that round) with its range over rounds, the load average before and after each round, and
+an achieved rate: useful flops (forward 4*B*H*N*(2w+1)*D, forward + backward 2.5 times that)
+over the time, beside a jitted 2048 x 2048 float32 `jnp.dot` timed in the same rounds. Rows:
+the chunked path, the OLD chunked path (`benchmarks/chunked_old.py`, the same op with the old
+band kernel patched in), the dense reference and `jax.nn.dot_product_attention` with a local
+window (where the n x n arrays fit), compiled PyTorch `flex_attention` with a sliding-window
+block mask (forward only on CPU: it has no CPU backward), and a layer row on each side with the
+SAME q/k/v projections: ours (three [768 x 768] projections + the op) and HF
+`LongformerSelfAttention` (whose forward includes its projections).
 
 Shapes follow docs/design.md §6: 12 heads, head_dim 64, one-sided window 256. Each implementation's
 output is checked against the chunked path before it is timed. Times are medians of `--reps`
@@ -26,6 +40,8 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+import contextlib
+import math
 
 import jax
 import jax.numpy as jnp
@@ -236,8 +252,15 @@ def main(argv=None):
   parser.add_argument("--dense-budget-gb", type=float, default=None,
                       help="skip dense rows whose n x n arrays exceed this (default: 1/3 of RAM "
                            "on CPU, 1/2 of device memory elsewhere)")
+  parser.add_argument("--op-table", action="store_true",
+                      help="interleaved rounds of the op table (see the module docstring)")
+  parser.add_argument("--rounds", type=int, default=5, help="--op-table: interleaved rounds")
+  parser.add_argument("--calls", type=int, default=2, help="--op-table: calls per row per round")
+  parser.add_argument("--no-torch", action="store_true", help="--op-table: skip the torch rows")
   harness.common_arguments(parser, out=harness.default_out())
   args = parser.parse_args(argv)
+  if args.op_table:
+    return op_table(args)
 
   backend = jax.default_backend()
   device = jax.devices()[0].device_kind
@@ -364,6 +387,254 @@ def markdown_table(records) -> str:
         f"{'' if peak is None else f'{peak / 2**20:.0f}'} | "
         f"{'' if peak is None else f'{peak / 2**10 / (r['seq'] * r['batch']):.1f}'} | "
         f"{ratio:.2f}x |")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# --op-table: interleaved rounds, like with like.
+
+
+def useful_flops_fwd(shape: Shape) -> float:
+  """4*B*H*N*(2w+1)*D: the forward's useful flops as the op table counts them."""
+  w = min(shape.window, shape.seq - 1)
+  return 4.0 * shape.batch * shape.heads * shape.seq * (2 * w + 1) * shape.head_dim
+
+
+@contextlib.contextmanager
+def old_chunked_kernel():
+  """The op with the pre-rewrite band kernel (benchmarks/chunked_old.py) patched in (tracing)."""
+  import chunked_old
+  from longformer_jax.ops import attention as attention_module
+  saved = attention_module.band_attention_chunked
+  attention_module.band_attention_chunked = chunked_old.band_attention_chunked
+  try:
+    yield
+  finally:
+    attention_module.band_attention_chunked = saved
+
+
+def _jax_runner(fn, args):
+  return lambda: jax.block_until_ready(fn(*args))
+
+
+def jax_op_rows(shape: Shape, dtype, budget: float):
+  """(name, kind, runner) for the JAX rows of one shape; kind is 'fwd' or 'fwdbwd'."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  dims = (shape.batch, shape.seq, shape.heads, shape.head_dim)
+  q, k, v = (jax.random.normal(k_, dims, dtype) for k_ in keys[:3])
+  cotangent = jax.random.normal(keys[3], dims, dtype)  # a random cotangent, not sum()
+  rows = []
+  makers = [("chunked", ours("chunked"), None),
+            ("chunked_old", ours("chunked"), old_chunked_kernel)]
+  if dense_fits(shape, budget):
+    makers += [("reference", ours("reference"), None), ("xla_dense_local_window", xla_dense, None)]
+  check = None
+  for name, make, patch in makers:
+    fn = make(shape)
+    if fn is None:
+      continue
+    fwd = jax.jit(fn)
+    fwdbwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](cotangent))
+    with patch() if patch else contextlib.nullcontext():
+      out = jax.block_until_ready(fwd(q, k, v))  # compiles inside the patch
+      jax.block_until_ready(fwdbwd(q, k, v))
+    if check is None:
+      check = out
+    else:
+      err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - check.astype(jnp.float32))))
+      if not err <= (2e-2 if dtype == jnp.bfloat16 else 2e-4):
+        raise AssertionError(f"{name} differs from the chunked path by {err} at {shape}")
+    rows += [(name, "fwd", _jax_runner(fwd, (q, k, v))),
+             (name, "fwdbwd", _jax_runner(fwdbwd, (q, k, v)))]
+  return rows
+
+
+def jax_layer_row(shape: Shape, dtype):
+  """Ours as a layer: the same three [H*D x H*D] q/k/v projections as HF's, then the op."""
+  hidden = shape.heads * shape.head_dim
+  keys = jax.random.split(jax.random.key(1), 5)
+  x = jax.random.normal(keys[0], (shape.batch, shape.seq, hidden), dtype)
+  weights = [jax.random.normal(k_, (hidden, hidden), dtype) / math.sqrt(hidden)
+             for k_ in keys[1:4]]
+  cotangent = jax.random.normal(keys[4], (shape.batch, shape.seq, shape.heads, shape.head_dim),
+                                dtype)
+  split = lambda t: t.reshape(shape.batch, shape.seq, shape.heads, shape.head_dim)
+
+  def layer(x, wq, wk, wv):
+    return ops.longformer_attention(split(x @ wq), split(x @ wk), split(x @ wv),
+                                    window=shape.window, causal=shape.causal, impl="chunked")
+
+  fwdbwd = jax.jit(lambda *a: jax.vjp(layer, *a)[1](cotangent))
+  args = (x, *weights)
+  jax.block_until_ready(fwdbwd(*args))
+  return [("layer chunked (q/k/v projections + op)", "fwdbwd", _jax_runner(fwdbwd, args))]
+
+
+def torch_op_rows(shape: Shape, dtype_name: str):
+  """Compiled flex_attention forward with a sliding-window block mask; HF's layer fwd+bwd."""
+  import torch
+  torch.manual_seed(0)
+  tdtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+  b, n, h, d, w = shape.batch, shape.seq, shape.heads, shape.head_dim, shape.window
+  rows = []
+  try:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def sliding(b_, h_, q_idx, kv_idx):
+      return (q_idx - kv_idx <= w) & (q_idx - kv_idx >= (0 if shape.causal else -w))
+
+    mask = create_block_mask(sliding, None, None, n, n, device="cpu")
+    flex = torch.compile(flex_attention)
+    q, k, v = (torch.randn(b, h, n, d, dtype=tdtype) for _ in range(3))
+
+    def run_flex():
+      with torch.no_grad():
+        flex(q, k, v, block_mask=mask)
+    run_flex()
+    rows.append(("torch flex_attention (compiled, sliding-window block mask)", "fwd", run_flex))
+  except Exception as e:  # Report, don't hide: the row says why it is missing.
+    print(f"  torch flex_attention failed: {type(e).__name__}: {str(e)[:300]}")
+  if not shape.causal:
+    try:
+      from transformers import LongformerConfig
+      from transformers.models.longformer.modeling_longformer import LongformerSelfAttention
+      cfg = LongformerConfig(hidden_size=h * d, num_attention_heads=h,
+                             attention_window=[2 * w], num_hidden_layers=1)
+      layer = LongformerSelfAttention(cfg, layer_id=0).to(dtype=tdtype)
+      mask_hf = torch.zeros(b, n)
+      x = torch.randn(b, n, h * d, dtype=tdtype, requires_grad=True)
+      ct = torch.randn(b, n, h * d, dtype=tdtype)
+
+      def run_hf():
+        out = layer(x, attention_mask=mask_hf, is_index_masked=mask_hf < 0,
+                    is_index_global_attn=mask_hf > 0, is_global_attn=False)[0]
+        out.backward(ct)
+      run_hf()
+      rows.append(("layer HF LongformerSelfAttention (its q/k/v projections + op)", "fwdbwd",
+                   run_hf))
+    except Exception as e:
+      print(f"  HF LongformerSelfAttention failed: {type(e).__name__}: {str(e)[:300]}")
+  return rows
+
+
+def interleaved_rounds(rows, rounds: int, calls: int):
+  """Runs every row `calls` times per round, rows in an order rotated each round. Returns
+  (times[row index] = list of per-round lists of seconds, loads = [(before, after)] per round)."""
+  times = [[] for _ in rows]
+  loads = []
+  for r in range(rounds):
+    before = os.getloadavg()[0]
+    order = list(range(len(rows)))
+    order = order[r % len(order):] + order[:r % len(order)]
+    for i in order:
+      samples = []
+      for _ in range(calls):
+        start = time.perf_counter()
+        rows[i][2]()
+        samples.append(time.perf_counter() - start)
+      times[i].append(samples)
+    loads.append((round(before, 2), round(os.getloadavg()[0], 2)))
+    print(f"  round {r + 1}/{rounds} done, load {loads[-1][0]} -> {loads[-1][1]}", flush=True)
+  return times, loads
+
+
+def op_table(args):
+  # torch's OpenMP threads would otherwise spin after each torch row, taking the cores from the
+  # JAX row that follows it in the round: both sides yield their cores when idle.
+  os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+  harness.compilation_cache()
+  backend = jax.default_backend()
+  dtype_name = args.dtype or ("float32" if backend == "cpu" else "bfloat16")
+  dtype = jnp.dtype(dtype_name)
+  budget = (args.dense_budget_gb * 2**30 if args.dense_budget_gb is not None
+            else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 3)
+  stamp = harness.stamp() | {"cpu_count": os.cpu_count(), "dtype": dtype_name,
+                             "rounds": args.rounds, "calls": args.calls}
+  try:
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    stamp["torch"] = torch.__version__
+  except ImportError:
+    args.no_torch = True
+  print(stamp, flush=True)
+  x = jnp.ones((2048, 2048), jnp.float32)
+  matmul = jax.jit(jnp.dot)
+  jax.block_until_ready(matmul(x, x))
+  results = []
+  for seq in args.seqs:
+    for mode in args.modes:
+      shape = Shape(seq=seq, causal=mode == "causal")
+      print(f"{mode} seq={seq}: compiling", flush=True)
+      rows = [("matmul 2048^2 f32 (jnp.dot)", "matmul", _jax_runner(matmul, (x, x)))]
+      rows += jax_op_rows(shape, dtype, budget)
+      rows += jax_layer_row(shape, dtype)
+      if not args.no_torch:
+        rows += torch_op_rows(shape, dtype_name)
+      times, loads = interleaved_rounds(rows, args.rounds, args.calls)
+      results.append(summarize(shape, rows, times, loads))
+      print(op_markdown(results[-1]), flush=True)
+  out = pathlib.Path(args.out)
+  slug = (f"attention_optable_cpu{os.cpu_count()}_{stamp['date']}_{stamp['commit']}_"
+          f"{'-'.join(map(str, args.seqs))}")
+  path = harness.write_json(out / f"{slug}.json", dict(stamp=stamp, tables=results))
+  md = "\n\n".join(op_markdown(r) for r in results)
+  header = (f"Op table, {stamp['device']} ({os.cpu_count()} cores), {dtype_name}, jax "
+            f"{stamp['jax']}, torch {stamp.get('torch')}, {stamp['date']}, commit "
+            f"{stamp['commit']}; {args.rounds} interleaved rounds x {args.calls} calls per row "
+            f"(`python benchmarks/attention.py --op-table --seqs {' '.join(map(str, args.seqs))} "
+            f"--modes {' '.join(args.modes)} --rounds {args.rounds} --calls {args.calls}`).")
+  harness.write_text(path.with_suffix(".md"), header + "\n\n" + md)
+  harness.print_written(path, path.with_suffix(".md"))
+
+
+def summarize(shape: Shape, rows, times, loads):
+  matmul_best = [min(r) for r in times[0]]
+  matmul_rate = 2 * 2048**3 / min(matmul_best)
+  best_of = {(name, kind): [min(r) for r in t] for (name, kind, _), t in zip(rows, times)}
+  out_rows = []
+  for (name, kind, _), t in zip(rows, times):
+    flat = [x for r in t for x in r]
+    best_rounds = [min(r) for r in t]
+    row = dict(impl=name, kind=kind, fastest_ms=round(min(flat) * 1e3, 2),
+               median_ms=round(statistics.median(flat) * 1e3, 2))
+    if kind in ("fwd", "fwdbwd"):
+      flops = useful_flops_fwd(shape) * (2.5 if kind == "fwdbwd" else 1.0)
+      row["gflops_fastest"] = round(flops / min(flat) / 1e9, 1)
+      row["pct_of_matmul"] = round(100 * flops / min(flat) / matmul_rate, 1)
+      ours_key = ("chunked", kind)
+      if name != "chunked" and not name.startswith("layer") and ours_key in best_of:
+        ratios = [o / c for o, c in zip(best_rounds, best_of[ours_key])]
+        row["vs_chunked_per_round"] = [round(x, 3) for x in ratios]
+        row["vs_chunked_median"] = round(statistics.median(ratios), 3)
+      if name.startswith("layer HF") and ("layer chunked (q/k/v projections + op)",
+                                          "fwdbwd") in best_of:
+        ratios = [o / c for o, c in zip(
+            best_rounds, best_of[("layer chunked (q/k/v projections + op)", "fwdbwd")])]
+        row["vs_layer_chunked_per_round"] = [round(x, 3) for x in ratios]
+    out_rows.append(row)
+  return dict(mode=shape.mode, seq=shape.seq, batch=shape.batch, heads=shape.heads,
+              head_dim=shape.head_dim, window=shape.window,
+              matmul_gflops_fastest=round(matmul_rate / 1e9, 1),
+              load_before_after_per_round=loads, rows=out_rows)
+
+
+def op_markdown(table) -> str:
+  lines = [f"**{table['mode']} n={table['seq']}**, batch {table['batch']}, {table['heads']} "
+           f"heads x {table['head_dim']}, window {table['window']}; matmul "
+           f"{table['matmul_gflops_fastest']} GFLOP/s; load average (1 min) per round: "
+           + ", ".join(f"{a}->{b}" for a, b in table["load_before_after_per_round"]),
+           "",
+           "| row | pass | fastest ms | median ms | useful GFLOP/s (fastest) | % of matmul | "
+           "time / chunked's, per round: median [range] |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+  for r in table["rows"]:
+    ratios = r.get("vs_chunked_per_round") or r.get("vs_layer_chunked_per_round")
+    ratio = (f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
+             if ratios else "")
+    if r.get("vs_layer_chunked_per_round"):
+      ratio += " (vs our layer row)"
+    lines.append(f"| {r['impl']} | {r['kind']} | {r['fastest_ms']:.1f} | {r['median_ms']:.1f} | "
+                 f"{r.get('gflops_fastest', '')} | {r.get('pct_of_matmul', '')} | {ratio} |")
   return "\n".join(lines)
 
 
