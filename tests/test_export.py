@@ -478,7 +478,7 @@ def test_cli_exports_led_as_three_programs_per_length(served, tmp_path, capsys, 
   num_beams rows per example over a cache of max_length positions."""
   from longformer_jax.cli.eval import export as cli
   model = served[0]["models"]["LED"]
-  monkeypatch.setattr(cli, "load_model", lambda path, step: (model, {"source": path,
+  monkeypatch.setattr(cli, "load_trained", lambda path, step: (model, {"source": path,
                                                                      "kind": "checkpoint"}))
   assert cli.main(["--workdir", "an LED", "--out", str(tmp_path / "led.zip"), "--seq-len", "20",
                    "--batch-size", "3", "--num-beams", "2", "--max-length", "5"]) == 0

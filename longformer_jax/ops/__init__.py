@@ -31,7 +31,7 @@ joined by `x`: `q_BxNxHxD`, `lse_BxHxN`, `s_QxK`. Each letter has one meaning:
   G  global tokens per row (the global slots of docs/design.md §2.1)
   W  window slots (the band positions of one query, `scores_BxHxNxW`)
   Q  queries: rows of a query tile (Pallas / chunked query blocks)
-  K  keys: rows of a key tile, the chunked key slab, the key set of a dense softmax (LED's
+  K  keys: rows of a key tile (the chunked path's too), the key set of a dense softmax (LED's
      cross- and self-attention), the slots of a decoding cache
   S  sequence shards (devices of the mesh axis the sequence is split over)
   C  candidates: the choices of a multiple-choice row, the tokens top-k / top-p sampling keeps,
