@@ -83,18 +83,26 @@ def check_mask_values(name: str, mask) -> None:
     mask = np.asarray(mask)
   if mask.dtype == bool:
     return
-  bad = (mask != 0) & (mask != 1)
-  if isinstance(mask, jax.Array):
+  found = _first_true(mask, (mask != 0) & (mask != 1))
+  if found is not None:
+    position, value = found
+    raise ValueError(f"{name} holds {value!r} at {position}; expected 0 or 1 (or bool)")
+
+
+def _first_true(values, bad):
+  """(position, value) of the first element of `values` where `bad` holds, or None. A
+  concrete jax.Array is reduced on its device to one bool first (it may be a global array
+  sharded over processes); a NumPy array is checked on the host."""
+  if isinstance(bad, jax.Array):
     if is_traced(bad) or not bool(jnp.any(bad)):
-      return
+      return None
     flat = int(jnp.argmax(bad.reshape(-1)))
   else:
     if not bad.any():
-      return
+      return None
     flat = int(np.argmax(bad.reshape(-1)))
-  position = tuple(int(i) for i in np.unravel_index(flat, mask.shape))
-  value = np.asarray(mask.reshape(-1)[flat]).item()
-  raise ValueError(f"{name} holds {value!r} at {position}; expected 0 or 1 (or bool)")
+  position = tuple(int(i) for i in np.unravel_index(flat, values.shape))
+  return position, np.asarray(values.reshape(-1)[flat]).item()
 
 
 def check_index_values(name: str, ids, size: int, table: str) -> None:
@@ -113,19 +121,11 @@ def check_index_values(name: str, ids, size: int, table: str) -> None:
     return
   if not isinstance(ids, jax.Array):
     ids = np.asarray(ids)
-  bad = (ids < 0) | (ids >= size)
-  if isinstance(ids, jax.Array):
-    if is_traced(bad) or not bool(jnp.any(bad)):
-      return
-    flat = int(jnp.argmax(bad.reshape(-1)))
-  else:
-    if not bad.any():
-      return
-    flat = int(np.argmax(bad.reshape(-1)))
-  position = tuple(int(i) for i in np.unravel_index(flat, ids.shape))
-  value = np.asarray(ids.reshape(-1)[flat]).item()
-  raise ValueError(f"{name} holds {value!r} at position {position}; expected ids in "
-                   f"[0, {size}) ({table})")
+  found = _first_true(ids, (ids < 0) | (ids >= size))
+  if found is not None:
+    position, value = found
+    raise ValueError(f"{name} holds {value!r} at position {position}; expected ids in "
+                     f"[0, {size}) ({table})")
 
 
 def is_traced(x) -> bool:
