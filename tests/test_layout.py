@@ -1,5 +1,5 @@
-"""The package's layers (docs/design.md §7): ops -> models -> data -> training -> tasks -> cli,
-each importing only the layers before it, and no import cycle among modules (imports inside
+"""The package's layers (docs/design.md §7): ops -> models -> data -> training -> tasks -> cli ->
+commands, each importing only the layers before it, and no import cycle among modules (imports inside
 functions included); `import longformer_jax` loads the library, not the training engine."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "longformer_jax"
-LAYERS = ("ops", "models", "data", "training", "tasks", "cli")
+LAYERS = ("ops", "models", "data", "training", "tasks", "cli", "commands")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -88,7 +88,8 @@ def test_importing_the_package_loads_no_training_code():
   import subprocess
   import sys
   code = ("import longformer_jax, sys; print([m for m in sys.modules if m.startswith("
-          "('longformer_jax.training', 'longformer_jax.tasks', 'longformer_jax.cli'))])")
+          "('longformer_jax.training', 'longformer_jax.tasks', 'longformer_jax.cli', "
+          "'longformer_jax.commands'))])")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True,
                        text=True, check=True).stdout
   assert out.strip() == "[]", out
