@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -93,3 +94,14 @@ def test_importing_the_package_loads_no_training_code():
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True,
                        text=True, check=True).stdout
   assert out.strip() == "[]", out
+
+
+def test_the_settings_layer_uses_argparse_through_its_public_api():
+  """The settings layer builds its parsers from the config classes and reads only the parsed
+  namespace: no argparse private attribute (they change between Python releases)."""
+  private = re.compile(r"\._(actions|mutually_exclusive_groups|group_actions|option_string_"
+                       r"actions|defaults)\b")
+  roots = [ROOT, ROOT.parent / "train", ROOT.parent / "eval"]
+  found = [f"{path}:{n}" for root in roots for path in sorted(root.rglob("*.py"))
+           for n, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
+  assert not found, found

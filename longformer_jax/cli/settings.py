@@ -228,14 +228,23 @@ def _route(command: Command, sets: Sequence[str]) -> tuple[list[str], list[str]]
   bare = (set(_field_types(fields[command.options])) if command.options else set())
   mine, later = [], []
   for assignment in sets:
-    head = assignment.partition("=")[0].strip().split(".")[0]
-    if head in fields or not (head in bare or command.later):
+    path = assignment.partition("=")[0].strip()
+    head = path.split(".")[0]
+    if "." in path and head in fields and not _has_fields(fields[head]) and command.later:
+      later.append(assignment)  # model.dropout: a path of the TrainConfig's model, not `model`
+    elif head in fields or not (head in bare or command.later):
       mine.append(assignment)
     elif head in bare:
       mine.append(f"{command.options}.{assignment.strip()}")
     else:
       later.append(assignment)
   return mine, later
+
+
+def _has_fields(annotation: Any) -> bool:
+  """Whether a field of this type has parts a dotted path can name."""
+  return any(dataclasses.is_dataclass(a) or typing.get_origin(a) in (tuple, dict)
+             or a in (tuple, dict) for a in (typing.get_args(annotation) or (annotation,)))
 
 
 def print_json(value: Any) -> None:
