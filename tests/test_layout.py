@@ -1,6 +1,6 @@
 """The package's layers (docs/design.md §7): ops -> models -> data -> training -> tasks -> cli ->
-commands, each importing only the layers before it, and no import cycle among modules (imports inside
-functions included); `import longformer_jax` loads the library, not the training engine."""
+commands, each importing only the layers before it, and no import cycle among modules (imports
+inside functions included); `import longformer_jax` loads the library, not the training engine."""
 
 from __future__ import annotations
 
