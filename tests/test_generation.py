@@ -272,7 +272,7 @@ def test_cli_step_seed_and_filters(run_dir, capsys):
     (["--top-k", "two"], "--top-k='two': expected int | None, got 'two'"),
     (["--top-p", "1.5"], r"top_p must be in (0, 1]"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
+    (["--temperature", "nan"], "--temperature='nan': expected float, got 'nan'"),
     (["--max-new-tokens", "-3"], "max_new_tokens must be >= 0, got -3 (with --max-new-tokens -3)"),
     (["--prompt", ""], "the prompt must hold at least one token"),
 ])

@@ -61,8 +61,9 @@ def apply_overrides(cfg: Any, assignments: Sequence[str | tuple[str, str]]) -> A
   except (ValueError, TypeError) as e:
     if type(e) not in (ValueError, TypeError):  # a subclass may not take one message
       raise
-    given = " ".join(a[1] + " " + a[0].partition("=")[2] if isinstance(a, tuple) else f"--set {a}"
-                     for a in assignments)
+    # A flag as it was typed: its values (joined by commas here) apart.
+    given = " ".join(a[1] + " " + a[0].partition("=")[2].rstrip(",").replace(",", " ")
+                     if isinstance(a, tuple) else f"--set {a}" for a in assignments)
     raise type(e)(f"{e} (with {given})") from e
 
 
