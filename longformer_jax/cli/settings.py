@@ -22,12 +22,14 @@ ends the command with one `<prog>: error: ...` line and status 2; `--print-confi
 resolved settings as JSON and exits 0. Inputs that are not settings (--workdir, data files)
 are plain flags that a command adds itself (`Command.inputs`).
 
-Why argparse and our path walker rather than a CLI library: the command line users have
-(`--set stages.-1.windows=...`, `--config FILE`, one-line errors) is not what tyro, draccus or
-ml_collections' config_flags spell (none indexes a tuple of dataclasses, tyro rejects values
-for fields typed `Any` such as dtypes, absl flags are process-global), so the library here is
-the standard one, argparse, and the typed decoding of a value is draccus's
-(`training.overrides`).
+Why the standard library's argparse and a path walker of our own (`training.overrides`) rather
+than a CLI library: the command line users have (`--set stages.-1.windows=...`, `--config FILE`,
+one-line errors with status 2) is not what tyro, draccus or ml_collections' config_flags spell.
+None indexes a tuple of dataclasses (`stages.0.steps`); tyro refuses a value for a field typed
+`Any` (the models' dtypes) and reports errors in boxes; draccus reads YAML or JSON config files,
+not a Python `get_config()`, and decodes values by YAML's rules (`yes` is no bool there); absl's
+flags, on which config_flags stands, are process-global state. So the library here is the
+standard one, with the smallest piece of our own on top.
 """
 
 from __future__ import annotations
