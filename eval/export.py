@@ -1,9 +1,5 @@
-"""`python -m eval.export` from a checkout: `longformer_jax.cli.eval.export`, installed as the
-`longformer-eval-export` command (`--help` says what it does)."""
-
-import sys
-
-from longformer_jax.cli.eval.export import main
+"""`python -m eval.export`: the `longformer-eval-export` command."""
+from longformer_jax.commands.eval_export import main
 
 if __name__ == "__main__":
-  sys.exit(main())
+  raise SystemExit(main())

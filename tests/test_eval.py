@@ -106,7 +106,7 @@ def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, 
   """eval.bpc: an unwritable --output is refused (one line, status 2) before any evaluation; a
   NaN result exits 1 and writes nothing (a checkpoint with broken weights must not look like a
   result)."""
-  from longformer_jax.cli.eval import bpc
+  from longformer_jax.commands import eval_bpc as bpc
   from longformer_jax.training import write_run_config
   import longformer_jax.tasks.charlm as evaluation
   write_run_config(tmp_path / "run", evaluation.char_tiny())  # the run's record, no checkpoint
@@ -144,7 +144,7 @@ def test_cli_checks_its_output_first_and_fails_on_a_non_finite_result(tmp_path, 
 def test_bpc_scores_the_runs_own_data_file_by_default(charlm_run, tmp_path, capsys):
   """A run trained with --data-file was scored on its config's dataset (enwik8_sample) when
   eval.bpc had no --file: now its record names the file, and the file's test split is scored."""
-  from longformer_jax.cli.eval import bpc
+  from longformer_jax.commands import eval_bpc as bpc
   out = tmp_path / "out.json"
   assert bpc.main(["--workdir", str(charlm_run.workdir), "--max-bytes", "64", "--context", "16",
                    "--output", str(out), "--no-progress"]) == 0
@@ -188,7 +188,7 @@ def test_run_data_refuses_a_file_that_is_not_the_one_the_run_trained_on(tmp_path
 def test_bytes_outside_the_vocabulary_are_refused_before_scoring(tmp_path, capsys):
   """A model of 128 bytes scoring byte 200 gave NaN and "the checkpoint's weights are not
   usable": refused naming the byte and its position (exit 2, before any checkpoint is read)."""
-  from longformer_jax.cli.eval import bpc
+  from longformer_jax.commands import eval_bpc as bpc
   from longformer_jax.tasks.charlm import char_tiny
   from longformer_jax.training import write_run_config
   cfg = char_tiny()
@@ -216,7 +216,7 @@ def test_cli_output_on_a_full_disk_is_refused_first_or_keeps_the_result_in_its_e
   import errno
   import os
   from longformer_jax import io as lj_io
-  from longformer_jax.cli.eval import bpc
+  from longformer_jax.commands import eval_bpc as bpc
   from longformer_jax.training import write_run_config
   import longformer_jax.tasks.charlm as evaluation
   write_run_config(tmp_path / "run", evaluation.char_tiny())

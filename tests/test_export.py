@@ -426,7 +426,7 @@ def test_cli_exports_a_trained_run(run_dir, tmp_path, capsys):
   mesh): an archive with a program per length whose manifest says what they are; one of them
   (the other is the same export at another length) equals the checkpoint's model with the run's
   last-stage windows."""
-  from longformer_jax.cli.eval import export as cli
+  from longformer_jax.commands import eval_export as cli
   from longformer_jax import checkpoint
   out = tmp_path / "char.zip"
   assert cli.main(["--workdir", str(run_dir), "--out", str(out), "--seq-len", "12", "8",
@@ -454,7 +454,7 @@ def test_cli_exports_a_trained_run(run_dir, tmp_path, capsys):
 def test_cli_knows_each_runs_class_and_reads_model_checkpoints(tmp_path, capsys):
   """A training workdir's model class follows its run record; a model checkpoint directory
   (`save_model`) is exported as it is."""
-  from longformer_jax.cli.eval import export as cli
+  from longformer_jax.commands import eval_export as cli
   from longformer_jax import checkpoint
   from longformer_jax.tasks import trained
   for task, cls in (("qa", "LongformerForQuestionAnswering"),
@@ -476,7 +476,7 @@ def test_cli_knows_each_runs_class_and_reads_model_checkpoints(tmp_path, capsys)
 def test_cli_exports_led_as_three_programs_per_length(served, tmp_path, capsys, monkeypatch):
   """An LED model is exported as encode, init_cache and decode_step per length, decoding
   num_beams rows per example over a cache of max_length positions."""
-  from longformer_jax.cli.eval import export as cli
+  from longformer_jax.commands import eval_export as cli
   model = served[0]["models"]["LED"]
   monkeypatch.setattr(cli, "load_trained", lambda path, step: (model, {"source": path,
                                                                      "kind": "checkpoint"}))
@@ -498,10 +498,10 @@ def test_cli_exports_led_as_three_programs_per_length(served, tmp_path, capsys, 
     (["--max-global", "2"], "max_global=2: the causal LM has no global tokens"),
     (["--num-beams", "2"], "--num-beams is for LED models"),
     (["--platform", "gpu"], "platforms=('gpu',)"),
-    (["--seq-len", "0"], "argument --seq-len: must be >= 1, got 0"),
+    (["--seq-len", "0"], "seq_len: must be >= 1, got 0 (with --seq-len 0)"),
 ])
 def test_cli_bad_arguments_exit_2_in_one_line(run_dir, tmp_path, capsys, args, message):
-  from longformer_jax.cli.eval import export as cli
+  from longformer_jax.commands import eval_export as cli
   base = {"--workdir": str(run_dir), "--out": str(tmp_path / "x.zip"), "--seq-len": "8"}
   for flag, value in zip(args[::2], args[1::2]):
     base[flag] = value
@@ -514,7 +514,7 @@ def test_cli_bad_arguments_exit_2_in_one_line(run_dir, tmp_path, capsys, args, m
 
 
 def test_cli_nothing_to_export_exits_1(tmp_path, capsys):
-  from longformer_jax.cli.eval import export as cli
+  from longformer_jax.commands import eval_export as cli
   assert cli.main(["--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "x.zip"),
                    "--seq-len", "8"]) == 1
   err = capsys.readouterr().err

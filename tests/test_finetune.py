@@ -8,6 +8,7 @@ a compilation cache private to this module makes the runs that repeat a program 
 
 import json
 import os
+import re
 import random
 
 import jax.numpy as jnp
@@ -21,7 +22,7 @@ from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer
 from longformer_jax.tasks import finetune as ft
-from longformer_jax.cli.train import finetune as cli
+from longformer_jax.commands import train_finetune as cli
 from testing import file_snapshot, truncate_checkpoint
 
 pytestmark = pytest.mark.integration
@@ -482,8 +483,9 @@ def test_every_kind_reads_a_record_and_scores_it_through_its_head(tmp_path):
   """The one registry: the command line's tasks, the heads and the kinds agree; each kind reads
   a record, sizes its head, checks its labels, computes a finite loss and scores a prediction
   record that gives the record's gold answer back, with the metrics it declares."""
-  [task_flag] = [a for a in cli.Finetune().parser()._actions if a.dest == "task"]
-  assert tuple(task_flag.choices) == tuple(ft.KINDS) == tuple(ft.MODEL_CLASSES) == tuple(_RECORDS)
+  with pytest.raises(ValueError, match=re.escape(f"task must be one of {tuple(ft.KINDS)}")):
+    cli.FinetuneConfig(task="poetry")  # the command line's tasks
+  assert tuple(ft.KINDS) == tuple(ft.MODEL_CLASSES) == tuple(_RECORDS)
   config = LongformerConfig.tiny(num_hidden_layers=1, attention_impl="reference")
   specials = SpecialIds.of_config(config)
   for name, kind in ft.KINDS.items():

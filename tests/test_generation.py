@@ -269,11 +269,11 @@ def test_cli_step_seed_and_filters(run_dir, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--top-k", "0"], "top_k must be an int >= 1"),
     (["--top-k", "257"], "top_k=257 exceeds the vocabulary"),
-    (["--top-k", "two"], "argument --top-k: invalid int value: 'two'"),
+    (["--top-k", "two"], "--top-k='two': expected int | None, got 'two'"),
     (["--top-p", "1.5"], r"top_p must be in (0, 1]"),
     (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-    (["--temperature", "nan"], "temperature must be a finite number >= 0"),
-    (["--max-new-tokens", "-3"], "argument --max-new-tokens: must be >= 0, got -3"),
+    (["--temperature", "nan"], "--temperature='nan': expected float, got 'nan'"),
+    (["--max-new-tokens", "-3"], "max_new_tokens must be >= 0, got -3 (with --max-new-tokens -3)"),
     (["--prompt", ""], "the prompt must hold at least one token"),
 ])
 def test_cli_bad_arguments_exit_2_in_one_line(run_dir, capsys, args, message):

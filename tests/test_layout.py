@@ -1,18 +1,19 @@
-"""The package's layers (docs/design.md §7): ops -> models -> data -> training -> tasks -> cli,
-each importing only the layers before it, and no import cycle among modules (imports inside
-functions included); `import longformer_jax` loads the library, not the training engine."""
+"""The package's layers (docs/design.md §7): ops -> models -> data -> training -> tasks -> cli ->
+commands, each importing only the layers before it, and no import cycle among modules (imports
+inside functions included); `import longformer_jax` loads the library, not the training engine."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
 pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "longformer_jax"
-LAYERS = ("ops", "models", "data", "training", "tasks", "cli")
+LAYERS = ("ops", "models", "data", "training", "tasks", "cli", "commands")
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -88,7 +89,19 @@ def test_importing_the_package_loads_no_training_code():
   import subprocess
   import sys
   code = ("import longformer_jax, sys; print([m for m in sys.modules if m.startswith("
-          "('longformer_jax.training', 'longformer_jax.tasks', 'longformer_jax.cli'))])")
+          "('longformer_jax.training', 'longformer_jax.tasks', 'longformer_jax.cli', "
+          "'longformer_jax.commands'))])")
   out = subprocess.run([sys.executable, "-c", code], cwd=ROOT.parent, capture_output=True,
                        text=True, check=True).stdout
   assert out.strip() == "[]", out
+
+
+def test_the_settings_layer_uses_argparse_through_its_public_api():
+  """The settings layer builds its parsers from the config classes and reads only the parsed
+  namespace: no argparse private attribute (they change between Python releases)."""
+  private = re.compile(r"\._(actions|mutually_exclusive_groups|group_actions|option_string_"
+                       r"actions|defaults)\b")
+  roots = [ROOT, ROOT.parent / "train", ROOT.parent / "eval"]
+  found = [f"{path}:{n}" for root in roots for path in sorted(root.rglob("*.py"))
+           for n, line in enumerate(path.read_text().splitlines(), 1) if private.search(line)]
+  assert not found, found

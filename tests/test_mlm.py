@@ -215,7 +215,9 @@ def test_bits_per_character_on_a_hand_computed_example(tokenizer):
 
 
 def test_paper_preset_and_its_power_3_schedule():
-  cfg = mlm.preset("mlm_paper")
+  from longformer_jax.cli.settings import load_config
+  from longformer_jax.commands.train_mlm import MLM
+  cfg = load_config(ROOT / "train" / "configs" / "mlm_paper.py")  # --preset mlm_paper
   stage = cfg.stages[0]
   assert (stage.seq_len, stage.batch_size, stage.steps) == (4096, 64, 65_000)
   assert (stage.learning_rate, stage.warmup_steps, stage.decay_power) == (3e-5, 500, 3.0)
@@ -226,7 +228,7 @@ def test_paper_preset_and_its_power_3_schedule():
   with pytest.raises(ValueError, match="decay_power=3.0 needs end_learning_rate"):
     Stage(seq_len=8, batch_size=1, steps=2, learning_rate=1e-3, decay_power=3.0)
   with pytest.raises(ValueError, match="unknown preset 'nope'"):
-    mlm.preset("nope")
+    MLM().command().preset_file("nope")
 
 
 def _tiny_task_config(tokenizer, **changes):
@@ -345,8 +347,8 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
   assert all(math.isfinite(results["eval"][k]) for k in ("loss", "bits_per_token", "bpc"))
   assert results["valid_bpc"] > 0
 
-  from longformer_jax.cli.eval.mlm import main as eval_main
-  from longformer_jax.cli.train.mlm import main as train_main
+  from longformer_jax.commands.eval_mlm import main as eval_main
+  from longformer_jax.commands.train_mlm import main as train_main
   monkeypatch.setenv("LONGFORMER_JAX_CACHE", str(tmp_path / "cache"))
   # Another tokenizer.json in the workdir, or an edited run_config.json (a window of 2 scores
   # other numbers), is refused in one line, by the evaluation and by a resume, before any work.
@@ -384,7 +386,7 @@ def test_command_line_continues_a_roberta_lowers_the_loss_and_resumes(tokenizer,
 def test_a_failed_starts_tokenizer_is_not_the_next_runs(tmp_path):
   # A start that failed before its first checkpoint left its tokenizer, trained on another
   # corpus: the next start trains its own and keeps that one.
-  from longformer_jax.cli.train.mlm import MLM
+  from longformer_jax.commands.train_mlm import MLM
   workdir = tmp_path / "run"
   workdir.mkdir()
   stale = tokenized.train_bpe(tokenized.documents("a b c d\n" * 50), vocab_size=270)
@@ -408,7 +410,7 @@ def test_a_failed_starts_tokenizer_is_not_the_next_runs(tmp_path):
     (["--preset", "mlm_tiny", "--set", "stages.0.sequence=3"], "unknown field 'sequence'"),
 ])
 def test_bad_arguments_exit_2_with_one_line(args, message, capsys, tmp_path):
-  from longformer_jax.cli.train.mlm import main
+  from longformer_jax.commands.train_mlm import main
   with pytest.raises(SystemExit) as exit_info:
     main([*args, "--workdir", str(tmp_path / "w"), "--no-progress"])
   assert exit_info.value.code == 2

@@ -16,7 +16,7 @@ import pytest
 from longformer_jax.config import CharLMConfig
 from longformer_jax.training import Stage, TrainConfig, apply_overrides
 from longformer_jax.training.overrides import parse_value
-from longformer_jax.cli.driver import load_config
+from longformer_jax.cli.settings import load_config
 
 pytestmark = pytest.mark.unit
 

@@ -439,7 +439,7 @@ def _full_disk(monkeypatch, name: str, helper: str = "_write") -> None:
 def _main(files, workdir, *args, final_eval=False) -> int:
   """train.charlm's main in this process, on the shared run's command line (its final
   evaluation on the test split with `final_eval`)."""
-  from longformer_jax.cli.train import charlm
+  from longformer_jax.commands import train_charlm as charlm
   command = _train_command(files, workdir, *args)[3:]
   if final_eval:
     command = [a for a in command if a != "--skip-final-eval"] + [
@@ -611,8 +611,8 @@ def test_an_edited_run_config_is_refused_by_its_readers_before_any_work(files, r
   eval.bpc scored with it silently) is refused in one line, status 2, by eval.bpc, eval.sample
   and a resume, before anything is read or written. A change to how the run is executed or
   reported (eval_every) is not one."""
-  from longformer_jax.cli.eval import bpc, sample
-  from longformer_jax.cli.train import charlm
+  from longformer_jax.commands import eval_bpc as bpc, eval_sample as sample
+  from longformer_jax.commands import train_charlm as charlm
   from longformer_jax.tasks.runs import read_run
   workdir = _copy(reference, "edited")
   path = workdir / "run_config.json"
@@ -645,7 +645,7 @@ def test_sigterm_during_the_final_evaluation_exits_75_and_writes_nothing(files, 
   reference run's, written without a final evaluation) nor the checkpoints change, so the same
   command evaluates again."""
   import os
-  from longformer_jax.cli.train import charlm
+  from longformer_jax.commands import train_charlm as charlm
   from longformer_jax.tasks.charlm import CharLMTask
   workdir = _copy(reference, "sigterm-eval")
   results = (workdir / "results.json").read_bytes()

@@ -30,7 +30,7 @@ from longformer_jax.data import text
 from longformer_jax.data.tokenizer import load_tokenizer
 from longformer_jax.tasks import seq2seq
 from testing import seed_of
-from longformer_jax.cli.train import seq2seq as cli
+from longformer_jax.commands import train_seq2seq as cli
 
 tokenizers = pytest.importorskip("tokenizers", reason="pip install -e '.[torch]'")
 pytest.importorskip("rouge_score", reason="pip install -e '.[torch]'")
@@ -270,7 +270,7 @@ def test_hf_led_directory(files, tmp_path):
   hf.eval().save_pretrained(tmp_path / "hf_led")
 
   command = cli.Seq2Seq()
-  _, cfg, _, plan = command.resolve(_argv(files, tmp_path / "run", "--steps", "2",
+  _, cfg, plan = command.resolve(_argv(files, tmp_path / "run", "--steps", "2",
                                           model=str(tmp_path / "hf_led")))
   task, source, splits = plan.task, command.source, {"train": plan.task.train}
   assert source.identity["kind"] == "hf_led"
@@ -294,7 +294,7 @@ def test_bart_directory_made_long(files, tmp_path):
   bart.eval().save_pretrained(tmp_path / "bart")
 
   command = cli.Seq2Seq()
-  _, cfg, _, plan = command.resolve(_argv(files, tmp_path / "run", "--steps", "2",
+  _, cfg, plan = command.resolve(_argv(files, tmp_path / "run", "--steps", "2",
                                           "--bart-positions", "64", "--bart-window", "16",
                                           model=str(tmp_path / "bart")))
   task, source, splits = plan.task, command.source, {"train": plan.task.train}

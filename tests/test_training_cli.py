@@ -1,4 +1,5 @@
-"""The entry points (`longformer_jax.cli`): every installed command resolves and answers --help
+"""The entry points (`longformer_jax.commands`, their settings by `longformer_jax.cli.settings`):
+every installed command resolves and answers --help
 and --print-config without training; config files load, --set overrides reach any field and
 reject bad ones, the distributed flags reach `jax.distributed.initialize`."""
 
@@ -16,7 +17,8 @@ import pytest
 
 from longformer_jax.training import TrainConfig
 from longformer_jax.training.overrides import apply_overrides
-from longformer_jax.cli.driver import add_distributed_args, initialize_distributed, load_config
+from longformer_jax.cli.settings import load_config
+from longformer_jax.commands.run import add_distributed_args, initialize_distributed
 
 pytestmark = pytest.mark.unit
 
@@ -40,10 +42,10 @@ def test_every_script_resolves_to_a_main_and_has_a_python_m_shim():
   for command, target in scripts.items():
     module, main = _entry_point(target)
     assert callable(main), command
-    # longformer-train-charlm <-> longformer_jax.cli.train.charlm <-> python -m train.charlm
+    # longformer-train-charlm <-> longformer_jax.commands.train_charlm <-> python -m train.charlm
     kind, name = command.removeprefix("longformer-").split("-", 1)
-    assert module.__name__ == f"longformer_jax.cli.{kind}.{name}"
-    assert f"from longformer_jax.cli.{kind}.{name} import main" in (
+    assert module.__name__ == f"longformer_jax.commands.{kind}_{name}"
+    assert f"from longformer_jax.commands.{kind}_{name} import main" in (
         ROOT / kind / f"{name}.py").read_text()
 
 
@@ -56,7 +58,7 @@ def test_help_lists_the_settings(command, capsys):
   out = capsys.readouterr().out
   assert "--print-config" in out
   if command == "longformer-eval-bpc":  # the presets, with their settings
-    assert "paper: protocol=sliding, context=32256, stride=512" in " ".join(out.split())
+    assert "paper: context=32256, stride=512" in " ".join(out.split())
   if command == "longformer-train-mlm":  # the default: the first try, not the paper's run
     assert "(default: mlm_tiny)" in " ".join(out.split())
   if "-train-" in command:  # the settings, with their types and defaults
@@ -100,10 +102,11 @@ def test_print_config_prints_the_settings_and_writes_nothing(command, capsys, tm
     assert printed["workdir"] == str(tmp_path / "run")
   elif command == "longformer-train-finetune":  # the task's options beside the TrainConfig
     assert printed["options"]["global_attention"] == "none"
+    assert printed["settings"]["options"]["global_attention"] == "none"
     assert printed["config"]["stages"][0]["seq_len"] == 16
     assert printed["config"]["model"]["num_labels"] == 2
   else:
-    assert printed["workdir"] == str(tmp_path / "run")
+    assert printed["inputs"]["workdir"] == str(tmp_path / "run")
 
 
 def _toy_pairs(tmp_path: Path) -> Path:
@@ -222,9 +225,6 @@ def _printed(command: str, argv: list[str], capsys) -> dict:
 
 @pytest.mark.parametrize("name", ["char_tiny", "char_small", "char_large"])
 def test_char_presets_are_their_config_files(name, capsys, tmp_path):
-  from longformer_jax.training import presets
-  import longformer_jax.tasks.charlm  # noqa: F401 (registers the presets)
-  assert presets.get("charlm", name) == load_config(str(CONFIGS / f"{name}.py"))
   workdir = ["--workdir", str(tmp_path / "run")]
   by_preset = _printed("longformer-train-charlm", ["--preset", name] + workdir, capsys)
   by_file = _printed("longformer-train-charlm",
@@ -249,26 +249,29 @@ def test_finetune_settings_resolve_config_then_flags_then_set(capsys, tmp_path):
                              for i in range(6)))
   config = tmp_path / "qa_config.py"
   config.write_text(
+      "from longformer_jax.commands.train_finetune import FinetuneConfig\n"
+      "from longformer_jax.tasks.finetune import FinetuneOptions\n"
       "def get_config():\n"
-      f"  return {{'task': 'classification', 'model': 'tiny', 'train': {str(records)!r},\n"
-      "          'steps': 20, 'max_length': 16, 'batch_size': 4,\n"
-      "          'stages.0.warmup_steps': 3, 'global_attention': 'none'}\n")
-  base = ["--config", str(config), "--workdir", str(tmp_path / "run")]
+      "  return FinetuneConfig(task='classification', model='tiny', steps=20, max_length=16,\n"
+      "                        batch_size=4, train_overrides=('stages.0.warmup_steps=3',),\n"
+      "                        options=FinetuneOptions(global_attention='none'))\n")
+  base = ["--config", str(config), "--train", str(records), "--workdir", str(tmp_path / "run")]
   printed = _printed("longformer-train-finetune", base, capsys)
   stage = printed["config"]["stages"][0]
   assert (stage["steps"], stage["seq_len"], stage["batch_size"], stage["warmup_steps"]) == (
       20, 16, 4, 3)
   assert printed["options"]["global_attention"] == "none"
   assert printed["config"]["model"]["num_labels"] == 3
-  assert printed["flags"]["task"] == "classification" and printed["flags"]["steps"] == 20
+  assert printed["settings"]["task"] == "classification" and printed["settings"]["steps"] == 20
+  assert printed["inputs"]["train"] == str(records)
   # A flag overrides the config's value; --set comes last, over flags and the config's paths.
   printed = _printed("longformer-train-finetune",
                      base + ["--steps", "7", "--batch-size", "2", "--set", "stages.0.steps=9",
                              "--set", "stages.0.warmup_steps=1"], capsys)
   stage = printed["config"]["stages"][0]
   assert (stage["steps"], stage["batch_size"], stage["warmup_steps"]) == (9, 2, 1)
-  assert printed["flags"]["steps"] == 7
-  # The registered preset: defaults of the flags, --task and the files from the command line.
+  assert printed["settings"]["steps"] == 7
+  # The preset (train/configs/finetune_tiny.py), --task and the files from the command line.
   printed = _printed("longformer-train-finetune",
                      ["--preset", "finetune_tiny", "--task", "classification", "--train",
                       str(records), "--workdir", str(tmp_path / "run")], capsys)
@@ -299,21 +302,24 @@ def test_finetune_settings_resolve_config_then_flags_then_set(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("'steps': 0", "steps: must be >= 1, got 0"),
-    ("'task': 'poetry'", "task must be one of"),
-    ("'stages.0.stepz': 3", "unknown field 'stepz'"),
+    ("steps=0", "steps must be >= 1, got 0"),
+    ("task='poetry'", "task must be one of"),
+    ("train_overrides=('stages.0.stepz=3',)", "unknown field 'stepz'"),
+    ("stepz=3", "unexpected keyword argument 'stepz'"),
 ])
 def test_a_bad_setting_of_a_config_is_one_line_and_status_2(setting, message, capsys,
                                                             tmp_path):
   config = tmp_path / "bad.py"
-  config.write_text("def get_config():\n  return {'task': 'qa', 'model': 'tiny', "
-                    f"'train': 'x.jsonl', {setting}}}\n")
+  config.write_text("from longformer_jax.commands.train_finetune import FinetuneConfig\n"
+                    "def get_config():\n  return FinetuneConfig(**{'task': 'qa', "
+                    f"'model': 'tiny', **dict({setting})}})\n")
   _, main = _entry_point(_scripts()["longformer-train-finetune"])
   with pytest.raises(SystemExit) as exit_info:
-    main(["--config", str(config), "--print-config", "--workdir", str(tmp_path / "run")])
+    main(["--config", str(config), "--train", "x.jsonl", "--print-config", "--workdir",
+          str(tmp_path / "run")])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
-  assert err.count("\n") == 1 and message in err
+  assert err.count("\n") == 1 and message in err, err
 
 
 def test_seq2seq_settings_resolve_preset_then_flags_then_set(capsys, tmp_path):
@@ -331,11 +337,12 @@ def test_seq2seq_settings_resolve_preset_then_flags_then_set(capsys, tmp_path):
   assert (stage["steps"], stage["seq_len"]) == (6, 16)
   # A config file that starts from the preset.
   config = tmp_path / "led.py"
-  config.write_text("from longformer_jax.training import presets\n"
-                    "import longformer_jax.tasks.seq2seq\n"
+  config.write_text("import dataclasses\n"
+                    "from longformer_jax.cli.settings import load_config\n"
                     "def get_config():\n"
-                    "  return {**presets.get('seq2seq', 'seq2seq_tiny'), 'num_beams': 2,\n"
-                    "          'eval_every': 7}\n")
+                    f"  tiny = load_config({str(CONFIGS / 'seq2seq_tiny.py')!r})\n"
+                    "  return dataclasses.replace(tiny, num_beams=2,\n"
+                    "                             train_overrides=('eval_every=7',))\n")
   printed = _printed("longformer-train-seq2seq",
                      ["--config", str(config)] + base[2:] + ["--num-beams", "3"], capsys)
   assert printed["config"]["final_eval"]["num_beams"] == 3
@@ -343,34 +350,35 @@ def test_seq2seq_settings_resolve_preset_then_flags_then_set(capsys, tmp_path):
   assert not (tmp_path / "run").exists()
 
 
-def _eval_settings(command: str, tmp_path: Path) -> tuple[dict, list[str], dict]:
-  """(a config of `command`, flags then --set over it, the settings they resolve to): each
-  step overrides one setting of the step before."""
+def _eval_settings(command: str, tmp_path: Path) -> tuple[str, list[str], dict]:
+  """(a config file of `command`, its inputs then flags then --set over it, the settings they
+  resolve to): each step overrides one setting of the step before."""
   run, out = str(tmp_path / "run"), str(tmp_path / "x.zip")
-  return {
+  module, cls, fields, argv, expected = {
       "longformer-eval-bpc": (
-          {"workdir": run, "context": 1024, "stride": 256, "batch_size": 2},
-          ["--stride", "128", "--batch-size", "3", "--set", "batch_size=4"],
-          {"workdir": run, "context": 1024, "stride": 128, "batch_size": 4}),
+          "eval_bpc", "BpcConfig", "context=1024, stride=256, batch_size=2",
+          ["--workdir", run, "--stride", "128", "--batch-size", "3", "--set", "batch_size=4"],
+          {"context": 1024, "stride": 128, "batch_size": 4}),
       "longformer-eval-mlm": (
-          {"workdir": run, "split": "validation", "batch_size": 2, "max_tokens": 100},
-          ["--batch-size", "3", "--max-tokens", "200", "--set", "max_tokens=300"],
-          {"workdir": run, "split": "validation", "batch_size": 3, "max_tokens": 300}),
+          "eval_mlm", "MLMEvalConfig", "split='validation', batch_size=2, max_tokens=100",
+          ["--workdir", run, "--batch-size", "3", "--max-tokens", "200", "--set",
+           "max_tokens=300"],
+          {"split": "validation", "batch_size": 3, "max_tokens": 300}),
       "longformer-eval-sample": (
-          {"workdir": run, "prompt": "a", "temperature": 0.5, "top_k": 4},
-          ["--temperature", "0.7", "--top-k", "5", "--set", "top_k=6"],
-          {"workdir": run, "prompt": "a", "temperature": 0.7, "top_k": 6}),
+          "eval_sample", "SampleConfig", "temperature=0.5, top_k=4",
+          ["--workdir", run, "--prompt", "a", "--temperature", "0.7", "--top-k", "5", "--set",
+           "top_k=6"],
+          {"temperature": 0.7, "top_k": 6}),
       "longformer-eval-export": (
-          {"workdir": run, "out": out, "seq_len": [8, 16], "batch_size": 2, "num_beams": 2},
-          ["--batch-size", "3", "--num-beams", "3", "--set", "num_beams=4"],
-          {"workdir": run, "out": out, "seq_len": [8, 16], "batch_size": 3, "num_beams": 4}),
+          "eval_export", "ExportConfig", "seq_len=(8, 16), batch_size=2, num_beams=2",
+          ["--workdir", run, "--out", out, "--batch-size", "3", "--num-beams", "3", "--set",
+           "num_beams=4"],
+          {"seq_len": [8, 16], "batch_size": 3, "num_beams": 4}),
   }[command]
-
-
-def _config_file(tmp_path: Path, settings: dict) -> str:
   path = tmp_path / "eval_config.py"
-  path.write_text(f"def get_config():\n  return {settings!r}\n")
-  return str(path)
+  path.write_text(f"from longformer_jax.commands.{module} import {cls}\n"
+                  f"def get_config():\n  return {cls}({fields})\n")
+  return str(path), argv, expected
 
 
 EVAL_COMMANDS = sorted(c for c in _scripts() if "-eval-" in c)
@@ -379,9 +387,10 @@ EVAL_COMMANDS = sorted(c for c in _scripts() if "-eval-" in c)
 @pytest.mark.parametrize("command", EVAL_COMMANDS)
 def test_eval_settings_resolve_config_then_flags_then_set(command, capsys, tmp_path):
   config, argv, expected = _eval_settings(command, tmp_path)
-  printed = _printed(command, ["--config", _config_file(tmp_path, config)] + argv, capsys)
-  assert {k: printed[k] for k in expected} == expected
-  assert not {"config", "preset", "set", "print_config"} & set(printed)
+  printed = _printed(command, ["--config", config] + argv, capsys)
+  assert {k: printed["settings"][k] for k in expected} == expected
+  assert printed["inputs"]["workdir"] == str(tmp_path / "run")
+  assert not {"config", "preset", "set", "print_config"} & set(printed["inputs"])
   assert not (tmp_path / "run").exists() and not (tmp_path / "x.zip").exists()
 
 
@@ -398,44 +407,51 @@ def _usage_error(command: str, argv: list[str], capsys) -> str:
 
 
 @pytest.mark.parametrize("command, bad, message", [
-    ("longformer-eval-bpc", "context=abc", "--set context=abc: context: expected int"),
-    ("longformer-eval-mlm", "split=dev", "split must be one of ('train', 'validation', 'test')"),
-    ("longformer-eval-sample", "top_k=x", "--set top_k=x: top_k: invalid literal"),
-    ("longformer-eval-export", "seq_len=8,0", "--set seq_len=8,0: seq_len: must be >= 1, got 0"),
+    ("longformer-eval-bpc", "context=abc", "--set context='abc': expected int | None"),
+    ("longformer-eval-mlm", "split=dev", "split must be one of train, validation, test"),
+    ("longformer-eval-sample", "top_k=x", "--set top_k='x': expected int | None"),
+    ("longformer-eval-export", "seq_len=8,0", "seq_len: must be >= 1, got 0"),
 ])
 def test_eval_set_of_an_unknown_name_or_a_bad_value_is_one_line_and_status_2(
     command, bad, message, capsys, tmp_path):
-  config, _, _ = _eval_settings(command, tmp_path)
-  base = ["--config", _config_file(tmp_path, config)]
+  config, argv, _ = _eval_settings(command, tmp_path)
+  base = ["--config", config] + argv
   err = _usage_error(command, base + ["--set", "contxt=1"], capsys)
-  assert "--set contxt=1: 'contxt' is not a setting" in err and "; settings: workdir, " in err
+  assert "--set contxt: unknown field 'contxt' in " in err and "; fields: [" in err
   assert message in _usage_error(command, base + ["--set", bad], capsys)
 
 
 @pytest.mark.parametrize("command", EVAL_COMMANDS)
-def test_eval_config_key_that_is_no_setting_is_one_line_and_status_2(command, capsys, tmp_path):
-  config, _, _ = _eval_settings(command, tmp_path)
-  path = _config_file(tmp_path, {**config, "stages.0.steps": 3})
-  assert f"--config {path}: 'stages.0.steps' is not a setting" in _usage_error(
-      command, ["--config", path], capsys)
+def test_eval_config_of_another_form_is_one_line_and_status_2(command, capsys, tmp_path):
+  _, argv, _ = _eval_settings(command, tmp_path)
+  path = tmp_path / "mapping.py"
+  path.write_text("def get_config():\n  return {'batch_size': 3}\n")
+  assert f"--config {path} gives a dict; " in _usage_error(
+      command, ["--config", str(path)] + argv, capsys)
 
 
 def test_eval_bpc_presets(capsys, tmp_path):
   workdir = ["--workdir", str(tmp_path / "run")]
-  defaults = _printed("longformer-eval-bpc", workdir, capsys)
+  defaults = _printed("longformer-eval-bpc", workdir, capsys)["settings"]
   # Without a preset: the run's own context and stride, known once its checkpoint is read.
   assert (defaults["context"], defaults["stride"], defaults["protocol"]) == (None, None,
                                                                              "sliding")
-  assert _printed("longformer-eval-bpc", workdir + ["--preset", "paper"], capsys) == {
-      **defaults, "context": 32256, "stride": 512}
+  assert _printed("longformer-eval-bpc", workdir + ["--preset", "paper"], capsys)[
+      "settings"] == {**defaults, "context": 32256, "stride": 512}
   quick = _printed("longformer-eval-bpc", workdir + ["--preset", "quick", "--stride", "64"],
-                   capsys)
+                   capsys)["settings"]
   assert quick == {**defaults, "context": 1024, "stride": 64}
-  # A flag of a mutually exclusive pair replaces the config's other one.
-  config = _config_file(tmp_path, {"workdir": str(tmp_path / "run"), "dataset": "enwik8"})
-  printed = _printed("longformer-eval-bpc", ["--config", config, "--file", "a.txt"], capsys)
-  assert (printed["dataset"], printed["file"]) == (None, "a.txt")
-  assert "needed" in _usage_error("longformer-eval-bpc", ["--preset", "quick"], capsys)
+  # --file replaces the config's dataset; given both on the command line, they are refused.
+  config = tmp_path / "enwik8.py"
+  config.write_text("from longformer_jax.commands.eval_bpc import BpcConfig\n"
+                    "def get_config():\n  return BpcConfig(dataset='enwik8')\n")
+  printed = _printed("longformer-eval-bpc", ["--config", str(config), "--file", "a.txt"]
+                     + workdir, capsys)
+  assert (printed["settings"]["dataset"], printed["inputs"]["file"]) == (None, "a.txt")
+  assert "do not go together" in _usage_error(
+      "longformer-eval-bpc", workdir + ["--dataset", "enwik8", "--file", "a.txt"], capsys)
+  assert "required: --workdir" in _usage_error("longformer-eval-bpc", ["--preset", "quick"],
+                                               capsys)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -627,10 +643,10 @@ def test_final_eval_settings_are_checked_before_training(command, argv, message,
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--context", "0"], "argument --context: must be >= 1, got 0"),
-    (["--stride", "0"], "argument --stride: must be >= 1, got 0"),
-    (["--batch-size", "0"], "argument --batch-size: must be >= 1, got 0"),
-    (["--max-bytes", "-5"], "argument --max-bytes: must be >= 1, got -5"),
+    (["--context", "0"], "context must be >= 1, got 0 (with --context 0)"),
+    (["--stride", "0"], "stride must be >= 1, got 0 (with --stride 0)"),
+    (["--batch-size", "0"], "batch_size must be >= 1, got 0 (with --batch-size 0)"),
+    (["--max-bytes", "-5"], "max_bytes must be >= 1, got -5 (with --max-bytes -5)"),
     (["--context", "64", "--stride", "128"], "stride must be in [1, context=64], got 128"),
     (["--stride", "64", "--score-last", "32"], "score_last=32 differs from stride=64"),
     (["--file", "{tmp}/missing.txt"], "--file {tmp}/missing.txt: no such file"),
@@ -651,7 +667,7 @@ def test_eval_bpc_refuses_bad_settings_and_inputs_before_evaluating(argv, messag
 def test_eval_mlm_refuses_a_negative_max_tokens(capsys, tmp_path):
   err = _refused("longformer-eval-mlm", ["--workdir", str(tmp_path), "--max-tokens", "-5"],
                  capsys)
-  assert "argument --max-tokens: must be >= 1, got -5" in err
+  assert "max_tokens must be >= 1, got -5 (with --max-tokens -5)" in err
 
 
 def test_eval_sample_refuses_a_prompt_that_is_not_text(capsys, tmp_path):

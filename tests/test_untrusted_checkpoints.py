@@ -133,15 +133,15 @@ def test_gadget_only_the_allow_list_loads(saved_model, tmp_path):
 
 
 def test_the_load_config_gadget_runs_nothing(saved_model, tmp_path):
-  """Before: `load_model` imported `longformer_jax.cli.driver:load_config` and ran evil.py, and
+  """Before: `load_model` imported `longformer_jax.cli.settings:load_config` and ran evil.py, and
   the error blamed a `--config` nobody gave. After: refused, nothing ran, the error names the
   file and the field."""
   crafted = _craft(saved_model, tmp_path)
   marker = tmp_path / "ran"
   (crafted / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n"
                                    "def get_config():\n  return None\n")
-  crafted = _craft(saved_model, tmp_path, model_class="longformer_jax.cli.driver:load_config",
-                   config_class="longformer_jax.cli.driver:load_config",
+  crafted = _craft(saved_model, tmp_path, model_class="longformer_jax.cli.settings:load_config",
+                   config_class="longformer_jax.cli.settings:load_config",
                    config={"path": str(crafted / "evil.py")})
   with pytest.raises(ValueError) as e:
     checkpoint.load_model(crafted)
@@ -500,8 +500,8 @@ def test_export_workdir_with_a_gadget_model_json(saved_model, tmp_path):
   crafted = _craft(saved_model, tmp_path)
   marker = tmp_path / "ran"
   (crafted / "evil.py").write_text(f"open({str(marker)!r}, 'w').write('pwned')\n")
-  crafted = _craft(saved_model, tmp_path, model_class="longformer_jax.cli.driver:load_config",
-                   config_class="longformer_jax.cli.driver:load_config",
+  crafted = _craft(saved_model, tmp_path, model_class="longformer_jax.cli.settings:load_config",
+                   config_class="longformer_jax.cli.settings:load_config",
                    config={"path": str(crafted / "evil.py")})
   proc = subprocess.run([sys.executable, "-m", "eval.export", "--workdir", str(crafted), "--out",
                          str(tmp_path / "a.zip"), "--seq-len", "8"], cwd=ROOT,

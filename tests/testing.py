@@ -307,7 +307,7 @@ def file_snapshot(path) -> dict[str, tuple[int, int]]:
   """(size, mtime) of every file under `path`, by path relative to it, but the workdir lock,
   which every job takes (and writes its pid into), whether its run is refused or not: equal
   snapshots of a directory before and after a move say that nothing in it changed."""
-  from longformer_jax.cli.driver import LOCK_FILE
+  from longformer_jax.commands.run import LOCK_FILE
   return {str(p.relative_to(path)): (p.stat().st_size, p.stat().st_mtime_ns)
           for p in Path(path).rglob("*") if p.is_file() and p.name != LOCK_FILE}
 

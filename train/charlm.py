@@ -1,9 +1,5 @@
-"""`python -m train.charlm` from a checkout: `longformer_jax.cli.train.charlm`, installed as the
-`longformer-train-charlm` command (`--help` says what it does)."""
-
-import sys
-
-from longformer_jax.cli.train.charlm import main
+"""`python -m train.charlm`: the `longformer-train-charlm` command."""
+from longformer_jax.commands.train_charlm import main
 
 if __name__ == "__main__":
-  sys.exit(main())
+  raise SystemExit(main())

@@ -1,9 +1,5 @@
-"""`python -m train.seq2seq` from a checkout: `longformer_jax.cli.train.seq2seq`, installed as the
-`longformer-train-seq2seq` command (`--help` says what it does)."""
-
-import sys
-
-from longformer_jax.cli.train.seq2seq import main
+"""`python -m train.seq2seq`: the `longformer-train-seq2seq` command."""
+from longformer_jax.commands.train_seq2seq import main
 
 if __name__ == "__main__":
-  sys.exit(main())
+  raise SystemExit(main())

@@ -38,7 +38,6 @@ from jax.sharding import Mesh
 from longformer_jax.causal_lm import LongformerForCausalLM, next_byte_nll
 from longformer_jax.config import CharLMConfig
 from longformer_jax.training import examples
-from longformer_jax.training import presets
 from longformer_jax.tasks.runs import read_run
 from longformer_jax.training.config import (
     Stage, TrainConfig, check_int, config_from_record, final_eval_settings, paper_stages)
@@ -563,6 +562,3 @@ def char_large() -> TrainConfig:
                              mesh_shape=(-1, 4))
 
 
-presets.register("charlm", "char_tiny", char_tiny)
-presets.register("charlm", "char_small", char_small)
-presets.register("charlm", "char_large", char_large)

@@ -44,7 +44,6 @@ from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.task import Batches, FinalEvaluation, Task
 from longformer_jax.training import examples
-from longformer_jax.training import presets
 from longformer_jax.training import sources
 from longformer_jax.training.sources import ModelSource
 
@@ -486,22 +485,6 @@ def starting_params(source: ModelSource, task: FinetuneTask, cfg: TrainConfig
 
 
 # ----------------------------------------------------------------------------------------------
-# Presets of the command (`--preset NAME`): defaults of its settings, by flag name
-
-
-def finetune_tiny() -> dict[str, Any]:
-  """The `tiny` model (fresh weights) on short records, CPU-sized: rows of 128 tokens (longer
-  records are cut), 150 steps of 8 records at learning rate 3e-3, the steps, batch and learning
-  rate docs/finetune.md measures on toy data. --task and the files come from the command
-  line."""
-  return {"model": "tiny", "max_length": 128, "steps": 150, "batch_size": 8,
-          "learning_rate": 3e-3}
-
-
-presets.register("finetune", "finetune_tiny", finetune_tiny)
-
-
-# ----------------------------------------------------------------------------------------------
 # The model to start from
 
 
@@ -618,7 +601,7 @@ def initial_params(source: ModelSource, model: nnx.Module) -> dict[str, Any]:
 __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
     "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging", "best_spans",
-    "eval_only_changes", "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head",
+    "eval_only_changes", "evaluate_only", "evaluation_only", "fit_head",
     "get_kind", "initial_model", "initial_params", "keep_tokenizer", "load_source", "macro_f1",
     "new_run_config", "normalize_answer", "predict", "read_splits", "register", "run_settings",
     "score", "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",

@@ -51,7 +51,6 @@ from longformer_jax.training import examples
 from longformer_jax.training.config import Stage, TrainConfig, check_int, final_eval_settings
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.sources import open_model_dir
-from longformer_jax.training import presets
 from longformer_jax.training.task import Batches, FinalEvaluation, Task
 
 MASK_RATE = 0.15           # RoBERTa's (and BERT's) share of tokens predicted
@@ -527,16 +526,9 @@ def mlm_tiny() -> TrainConfig:
       final_eval=dict(split="test", max_tokens=65_536, batch_size=8))
 
 
-presets.register("mlm", "mlm_paper", mlm_paper)
-presets.register("mlm", "mlm_paper_large", functools.partial(mlm_paper, large=True))
-presets.register("mlm", "mlm_tiny", mlm_tiny)
-# Presets that continue a pretrained model (their learning rate is a fine-tuning one).
+# The presets (train/configs/<name>.py) that continue a pretrained model (their learning rate
+# is a fine-tuning one).
 NEEDS_INIT = ("mlm_paper", "mlm_paper_large")
-
-
-def preset(name: str) -> TrainConfig:
-  """The TrainConfig of a named MLM preset (`training.presets`)."""
-  return presets.get("mlm", name)
 
 
 def keep_compute_settings(pretrained: LongformerConfig, preset_model: LongformerConfig
@@ -551,5 +543,5 @@ __all__ = [
     "MASK_RATE", "MLMTask", "MaskedBatches", "NEEDS_INIT", "TOKENIZER_FILE",
     "check_params_fit", "check_run_tokenizer", "evaluate_mlm",
     "evaluate_mlm_run", "keep_compute_settings", "load_pretrained", "mask_tokens",
-    "masked_lm_nll", "max_predictions", "mlm_paper", "mlm_tiny", "preset",
+    "masked_lm_nll", "max_predictions", "mlm_paper", "mlm_tiny",
 ]

@@ -41,7 +41,6 @@ from longformer_jax.data import text
 from longformer_jax.data.tokenizer import special_token_ids, token_id
 from longformer_jax.training.config import Stage, TrainConfig, check_int, final_eval_settings
 from longformer_jax.training import examples
-from longformer_jax.training import presets
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.sources import ModelSource
 from longformer_jax.training.sources import load_source as load_source_of
@@ -490,19 +489,3 @@ def predictions_jsonl(split: Seq2SeqSplit, predictions: Sequence[str]) -> str:
   """One JSON line per pair: {"id", "prediction", "reference"}."""
   return "".join(json.dumps({"id": i, "prediction": p, "reference": r}, ensure_ascii=False) + "\n"
                  for i, p, r in zip(split.ids, predictions, split.references, strict=True))
-
-
-# ----------------------------------------------------------------------------------------------
-# Presets of the command (`--preset NAME`): defaults of its settings, by flag name
-
-
-def seq2seq_tiny() -> dict[str, Any]:
-  """The `tiny` LED (fresh weights) on short pairs, CPU-sized: the toy recipe docs/seq2seq.md
-  measures (sources of 12 tokens, targets of 10, 300 steps of 16 pairs at learning rate 3e-3:
-  ROUGE near 1.0 on a copy task of a few words). --tokenizer and the files come from the
-  command line."""
-  return {"model": "tiny", "max_source_length": 12, "max_target_length": 10, "steps": 300,
-          "batch_size": 16, "learning_rate": 3e-3}
-
-
-presets.register("seq2seq", "seq2seq_tiny", seq2seq_tiny)

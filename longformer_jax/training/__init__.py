@@ -11,7 +11,6 @@
              plot
   task       Task: what a model family supplies (model, loss, batches, validation, restore,
              final evaluation)
-  presets    named TrainConfig presets per task (`--preset NAME`)
   sources    where a run's starting weights come from: ModelSource, load_source, checksums
   examples   whole examples: ExampleBatches for training; row batches, placement, the jitted
              NLL scorer and progress for evaluation on a mesh

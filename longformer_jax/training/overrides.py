@@ -31,14 +31,16 @@ import typing
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["apply_overrides", "parse_value"]
+__all__ = ["apply_overrides", "field_types", "parse_value", "type_name"]
 
 _NONE = ("none", "null")
 _BOOLS = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}
 
 
-def apply_overrides(cfg: Any, assignments: Sequence[str]) -> Any:
-  """A copy of the dataclass `cfg` with every `path=value` of `assignments` applied.
+def apply_overrides(cfg: Any, assignments: Sequence[str | tuple[str, str]]) -> Any:
+  """A copy of the dataclass `cfg` with every `path=value` of `assignments` applied; an item may
+  be a (`path=value`, label) pair, whose errors name the label (a flag: `--max-length`) instead
+  of `--set path`.
 
   Raises:
     ValueError: for an assignment without '=', a path that names no field, index or key, or a
@@ -49,26 +51,31 @@ def apply_overrides(cfg: Any, assignments: Sequence[str]) -> Any:
     return cfg
   root = _Edit(cfg)
   for item in assignments:
+    item, label = item if isinstance(item, tuple) else (item, None)
     path, eq, text = item.partition("=")
     if not eq:
       raise ValueError(f"--set expects path=value, got {item!r}")
-    _assign(root, path.strip(), text.strip())
+    _assign(root, path.strip(), text.strip(), label or f"--set {path.strip()}")
   try:
     return _build(root)
   except (ValueError, TypeError) as e:
     if type(e) not in (ValueError, TypeError):  # a subclass may not take one message
       raise
-    raise type(e)(f"{e} (with {' '.join(f'--set {a}' for a in assignments)})") from e
+    # A flag as it was typed: its values (joined by commas here) apart.
+    given = " ".join(a[1] + " " + a[0].partition("=")[2].rstrip(",").replace(",", " ")
+                     if isinstance(a, tuple) else f"--set {a}" for a in assignments)
+    raise type(e)(f"{e} (with {given})") from e
 
 
-def parse_value(text: str, annotation: Any, path: str = "value") -> Any:
+def parse_value(text: str, annotation: Any, path: str = "value", label: str | None = None
+                ) -> Any:
   """`text` parsed to the type `annotation` (see the module docstring); ValueError naming
-  `path`, the expected type and the text when it does not parse."""
+  `label` (default `--set path`), the expected type and the text when it does not parse."""
   try:
     return _coerce(_literal(text), annotation, text)
   except _Mismatch as e:
-    why = "" if e.value is _TOP else f" ({e.value!r} is not of type {_type_name(e.annotation)})"
-    raise ValueError(f"--set {path}={text!r}: expected {_type_name(annotation)}, got "
+    why = "" if e.value is _TOP else f" ({e.value!r} is not of type {type_name(e.annotation)})"
+    raise ValueError(f"{label or f'--set {path}'}={text!r}: expected {type_name(annotation)}, got "
                      f"{text!r}{why}") from None
 
 
@@ -84,27 +91,27 @@ class _Edit:
   changes: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
 
-def _assign(root: _Edit, path: str, text: str) -> None:
+def _assign(root: _Edit, path: str, text: str, label: str) -> None:
   keys = path.split(".")
   node, annotation = root, Any
   for depth, head in enumerate(keys):
     where = ".".join(keys[:depth + 1])
-    key, child_annotation = _child(node, head, annotation, path, where)
+    key, child_annotation = _child(node, head, annotation, label, where)
     if depth == len(keys) - 1:
-      node.changes[key] = parse_value(text, child_annotation, path)
+      node.changes[key] = parse_value(text, child_annotation, path, label)
       return
     if key in node.changes:
       child = node.changes[key]
     elif isinstance(node.original, dict) and key not in node.original:
-      raise ValueError(f"--set {path}: {where} is not a key of a dict with keys "
+      raise ValueError(f"{label}: {where} is not a key of a dict with keys "
                        f"{list(node.original)}")
     else:
       child = _current(node.original, key)
     if not isinstance(child, _Edit):
       if child is None:
-        raise ValueError(f"--set {path}: {where} is None, so it has nothing to set")
+        raise ValueError(f"{label}: {where} is None, so it has nothing to set")
       if not (dataclasses.is_dataclass(child) or isinstance(child, (tuple, dict))):
-        raise ValueError(f"--set {path}: {where}={child!r} has no fields, indices or keys")
+        raise ValueError(f"{label}: {where}={child!r} has no fields, indices or keys")
       child = node.changes[key] = _Edit(child)
     node, annotation = child, child_annotation
 
@@ -113,18 +120,18 @@ def _current(obj: Any, key: Any) -> Any:
   return getattr(obj, key) if dataclasses.is_dataclass(obj) else obj[key]
 
 
-def _child(node: _Edit, head: str, annotation: Any, path: str, where: str) -> tuple[Any, Any]:
+def _child(node: _Edit, head: str, annotation: Any, label: str, where: str) -> tuple[Any, Any]:
   """(the key of `head` inside `node`, the annotation of that child); ValueError if none."""
   obj = node.original
   if dataclasses.is_dataclass(obj):
-    hints = _field_types(type(obj))
+    hints = field_types(type(obj))
     if head not in hints:
-      raise ValueError(f"--set {path}: unknown field {head!r} in {type(obj).__name__}; "
+      raise ValueError(f"{label}: unknown field {head!r} in {type(obj).__name__}; "
                        f"fields: {sorted(hints)}")
     return head, hints[head]
   if isinstance(obj, tuple):
     if not head.lstrip("-").isdigit() or not -len(obj) <= int(head) < len(obj):
-      raise ValueError(f"--set {path}: index {head!r} is not in a tuple of length {len(obj)} "
+      raise ValueError(f"{label}: index {head!r} is not in a tuple of length {len(obj)} "
                        f"({where})")
     index = int(head) % len(obj)
     args = typing.get_args(_arm(annotation, tuple))
@@ -143,7 +150,7 @@ def _child(node: _Edit, head: str, annotation: Any, path: str, where: str) -> tu
 
 
 @functools.cache
-def _field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Any]:
   """The resolved annotation of each field `__init__` takes (configs use `from __future__
   import annotations`, so `__annotations__` holds strings)."""
   hints = typing.get_type_hints(cls)
@@ -279,7 +286,7 @@ def _tuples(value: Any) -> Any:
   return value
 
 
-def _type_name(annotation: Any) -> str:
+def type_name(annotation: Any) -> str:
   """`annotation` as it is written in the config classes: int, float | None, tuple[int, ...]."""
   if annotation is Any:
     return "Any"
@@ -287,10 +294,10 @@ def _type_name(annotation: Any) -> str:
     return "None"
   members = _members(annotation)
   if len(members) > 1:
-    return " | ".join(_type_name(m) for m in members)
+    return " | ".join(type_name(m) for m in members)
   args = typing.get_args(annotation)
   origin = typing.get_origin(annotation)
   if origin is not None and args:
-    inner = ", ".join("..." if a is Ellipsis else _type_name(a) for a in args)
+    inner = ", ".join("..." if a is Ellipsis else type_name(a) for a in args)
     return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
   return getattr(annotation, "__name__", str(annotation))

@@ -18,7 +18,7 @@ from longformer_jax.training import TrainConfig
 
 
 def get_config() -> TrainConfig:
-  # The registered preset (`--preset char_large` is the same run). To change a setting here rather
+  # `--preset char_large` is this file. To change a setting here rather
   # than with --set, replace it, e.g.:
   #   return dataclasses.replace(char_large(), eval_every=1000)
   return char_large()

@@ -24,45 +24,69 @@ evaluation.
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import math
 import sys
 
-from longformer_jax.cli.driver import (
-    EXIT_OK, Parser, fail, nonnegative_int, positive_int, parse_settings, printed_config,
-    usage_error, write_result)
+from longformer_jax.cli import settings
+from longformer_jax.commands.run import EXIT_OK, fail, usage_error, write_result
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = Parser("eval.mlm", __doc__)
+@dataclasses.dataclass(frozen=True)
+class MLMEvalConfig:
+  """How eval.mlm scores; each field has a flag of its own (`--max-tokens`)."""
+  split: str = "test"
+  max_tokens: int | None = None
+  batch_size: int = 8
+  seq_len: int | None = None
+  window: int = 256
+  seed: int = 0
+
+  def __post_init__(self):
+    for name in ("max_tokens", "batch_size", "seq_len", "window"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    if self.seed < 0:
+      raise ValueError(f"seed must be >= 0, got {self.seed}")
+    if self.split not in ("train", "validation", "test"):
+      raise ValueError(f"split must be one of train, validation, test, got {self.split!r}")
+
+
+FLAGS = {
+    "split": "train, validation or test", "max_tokens": "score only the first tokens",
+    "batch_size": "sequences per forward pass", "seq_len": "with --init: tokens per row",
+    "window": "with --init of a RoBERTa: the one-sided attention window",
+    "seed": "with --init: the masks' seed",
+}
+
+
+def _inputs(parser):
   what = parser.add_mutually_exclusive_group(required=True)
   what.add_argument("--workdir", default=None, help="a train.mlm run")
   what.add_argument("--init", default=None, metavar="DIR", help="a pretrained model directory")
-  parser.add_argument("--step", type=nonnegative_int, default=None,
+  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
                       help="checkpoint step (default: latest)")
-  parser.add_argument("--split", default="test", choices=("train", "validation", "test"))
-  parser.add_argument("--max-tokens", type=positive_int, default=None,
-                      help="score only the first tokens")
-  parser.add_argument("--batch-size", type=positive_int, default=8,
-                      help="sequences per forward pass")
   parser.add_argument("--data", default=None, help="with --init: the text source")
   parser.add_argument("--tokenizer", default=None, help="with --init (default: --init's)")
-  parser.add_argument("--seq-len", type=positive_int, default=None,
-                      help="with --init: tokens per row")
-  parser.add_argument("--window", type=positive_int, default=256,
-                      help="with --init of a RoBERTa: the one-sided attention window")
-  parser.add_argument("--seed", type=nonnegative_int, default=0,
-                      help="with --init: the masks' seed")
   parser.add_argument("--output", default=None, help="JSON path")
   parser.add_argument("--no-progress", action="store_true")
-  args = parse_settings(parser, argv)
-  if args.init is not None and (args.data is None or args.seq_len is None
+
+
+COMMAND = settings.Command("eval.mlm", __doc__, MLMEvalConfig, FLAGS, default=MLMEvalConfig,
+                           inputs=_inputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser, parsed = settings.parse(COMMAND, argv)
+  args, c = parsed.args, parsed.config
+  if args.init is not None and (args.data is None or c.seq_len is None
                                 or args.output is None):
     parser.error("--init needs --data, --seq-len and --output (no workdir to write to)")
   if args.workdir is not None and any(v is not None for v in (args.data, args.tokenizer,
-                                                                 args.seq_len)):
+                                                                 c.seq_len)):
     parser.error("--data, --tokenizer and --seq-len go with --init; a run has its own")
-  if printed_config(args):
+  if parsed.printed():
     return EXIT_OK
 
   from etils import epath
@@ -70,14 +94,14 @@ def main(argv: list[str] | None = None) -> int:
   from longformer_jax.io import check_writable
   from longformer_jax.tasks import mlm
   try:
-    out = epath.Path(args.output or epath.Path(args.workdir) / f"mlm_{args.split}.json")
+    out = epath.Path(args.output or epath.Path(args.workdir) / f"mlm_{c.split}.json")
     check_writable(out)  # before the evaluation, not after
     if args.workdir is not None:
-      result = mlm.evaluate_mlm_run(args.workdir, split=args.split, step=args.step,
-                                    max_tokens=args.max_tokens, batch_size=args.batch_size,
+      result = mlm.evaluate_mlm_run(args.workdir, split=c.split, step=args.step,
+                                    max_tokens=c.max_tokens, batch_size=c.batch_size,
                                     progress=not args.no_progress)
     else:
-      result = _evaluate_init(args, mlm)
+      result = _evaluate_init(args, c, mlm)
   except (ValueError, TypeError, FileNotFoundError) as e:
     usage_error(parser, e)
   except CheckpointError as e:
@@ -88,17 +112,17 @@ def main(argv: list[str] | None = None) -> int:
   return write_result(out, result)
 
 
-def _evaluate_init(args: argparse.Namespace, mlm) -> dict:
+def _evaluate_init(args, c: MLMEvalConfig, mlm) -> dict:
   """evaluate_mlm of a model as loaded from --init."""
   from longformer_jax.data import tokenized
   from longformer_jax.data.tokenizer import load_tokenizer
-  model, kind = mlm.load_pretrained(args.init, max_positions=args.seq_len, window=args.window)
+  model, kind = mlm.load_pretrained(args.init, max_positions=c.seq_len, window=c.window)
   tokenizer = load_tokenizer(args.tokenizer or args.init)
   result = mlm.MLMTask(tokenizer).score(
-      model, tokenized.token_ids(args.data, args.split, tokenizer), seq_len=args.seq_len,
-      seed=args.seed, max_tokens=args.max_tokens, batch_size=args.batch_size,
+      model, tokenized.token_ids(args.data, c.split, tokenizer), seq_len=c.seq_len,
+      seed=c.seed, max_tokens=c.max_tokens, batch_size=c.batch_size,
       progress=not args.no_progress)
-  return {**result, "split": args.split, "dataset": args.data, "init": args.init, "kind": kind}
+  return {**result, "split": c.split, "dataset": args.data, "init": args.init, "kind": kind}
 
 
 if __name__ == "__main__":

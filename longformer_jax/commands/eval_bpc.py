@@ -34,56 +34,74 @@ checked before the evaluation starts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
-from longformer_jax.cli.driver import (
-    EXIT_FAILED, EXIT_OK, USAGE_ERRORS, Parser, add_distributed_args, fail,
-    initialize_distributed, nonnegative_int, parse_settings, positive_int, printed_config,
+from longformer_jax.cli import settings
+from longformer_jax.commands.run import (
+    EXIT_FAILED, EXIT_OK, USAGE_ERRORS, add_distributed_args, fail, initialize_distributed,
     usage_error, write_result)
-from longformer_jax.training import presets
 
 
-def paper() -> dict:
-  """The paper's evaluation (Longformer §4.2): 32,256-byte windows, each scoring its last 512."""
-  return {"protocol": "sliding", "context": 32256, "stride": 512}
+@dataclasses.dataclass(frozen=True)
+class BpcConfig:
+  """How eval.bpc scores (module docstring); each field has a flag of its own (`--score-last`)."""
+  protocol: str = "sliding"
+  context: int | None = None
+  stride: int | None = None
+  score_last: int | None = None
+  batch_size: int = 1
+  max_bytes: int | None = None
+  dataset: str | None = None
+  split: str | None = None
+  data_dir: str | None = None
+
+  def __post_init__(self):
+    for name in ("context", "stride", "score_last", "batch_size", "max_bytes"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    for name, known in (("protocol", ("sliding", "chunks")),
+                        ("split", (None, "train", "validation", "test"))):
+      if getattr(self, name) not in known:
+        raise ValueError(f"{name} must be one of {known}, got {getattr(self, name)!r}")
 
 
-def quick() -> dict:
-  """A quick look at a small run: 1,024-byte windows, each scoring its last 256."""
-  return {"context": 1024, "stride": 256}
+FLAGS = {
+    "protocol": "sliding (the paper's) or chunks",
+    "context": "window bytes (default: the run's own, said in one line)",
+    "stride": "default: the run's with its context, else min(512, context / 2)",
+    "score_last": "must equal --stride", "batch_size": "windows per forward pass",
+    "max_bytes": "score only a prefix", "dataset": "default: the run's dataset",
+    "split": "of --dataset (default: test)", "data_dir": "where the datasets are",
+}
 
 
-presets.register("eval.bpc", "paper", paper)
-presets.register("eval.bpc", "quick", quick)
-
-
-def main(argv: list[str] | None = None) -> int:
-  parser = Parser("eval.bpc", __doc__)
+def _inputs(parser):
   parser.add_argument("--workdir", required=True, help="the training run's directory")
-  parser.add_argument("--step", type=nonnegative_int, default=None,
+  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
                       help="checkpoint step (default: latest)")
-  source = parser.add_mutually_exclusive_group()
-  source.add_argument("--dataset", default=None, help="default: the run's dataset")
-  source.add_argument("--file", default=None, help="score this file's bytes instead of a split")
-  parser.add_argument("--data-dir", default=None)
-  parser.add_argument("--split", default=None, choices=("train", "validation", "test"),
-                      help="of --dataset (default: test)")
-  parser.add_argument("--protocol", default="sliding", choices=("sliding", "chunks"))
-  parser.add_argument("--context", type=positive_int, default=None,
-                      help="window bytes (default: the run's own, said in one line)")
-  parser.add_argument("--stride", type=positive_int, default=None,
-                      help="default: the run's with its context, else min(512, context / 2)")
-  parser.add_argument("--score-last", type=positive_int, default=None, help="must equal --stride")
-  parser.add_argument("--batch-size", type=positive_int, default=1, help="windows per forward pass")
-  parser.add_argument("--max-bytes", type=positive_int, default=None, help="score only a prefix")
+  parser.add_argument("--file", default=None, help="score this file's bytes instead of a split")
   parser.add_argument("--output", default=None, help="JSON path")
   parser.add_argument("--no-progress", action="store_true")
   add_distributed_args(parser)
-  args = parse_settings(parser, argv, preset_task="eval.bpc")
-  if args.file is not None and args.split is not None:
+
+
+COMMAND = settings.Command("eval.bpc", __doc__, BpcConfig, FLAGS, default=BpcConfig,
+                           presets="eval/configs/bpc/*", inputs=_inputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser, parsed = settings.parse(COMMAND, argv)
+  args, c = parsed.args, parsed.config
+  if args.file is not None and c.dataset is not None:
+    if hasattr(args, "dataset"):
+      parser.error("--dataset and --file do not go together")
+    c = dataclasses.replace(c, dataset=None)  # --file replaces the config's dataset
+  if args.file is not None and c.split is not None:
     parser.error("--split selects a split of --dataset; it does not go with --file")
-  if printed_config(args):
+  if dataclasses.replace(parsed, config=c).printed():
     return EXIT_OK
 
   import jax
@@ -101,15 +119,15 @@ def main(argv: list[str] | None = None) -> int:
   # Everything is checked before any evaluation: the settings, the run, the data, the output.
   workdir = epath.Path(args.workdir)
   try:
-    check_bpc_settings(context=args.context, stride=args.stride, score_last=args.score_last,
-                       batch_size=args.batch_size, protocol=args.protocol)
+    check_bpc_settings(context=c.context, stride=c.stride, score_last=c.score_last,
+                       batch_size=c.batch_size, protocol=c.protocol)
     try:
       record, cfg = read_run(workdir, "charlm")
     except FileNotFoundError as e:
       return fail(e)  # no run there (status 1, as no checkpoint that restores)
-    if args.file is None and args.dataset is None:
+    if args.file is None and c.dataset is None:
       # The run's own data: its --data-file, else its dataset (`run_data` checks which).
-      data, source, name = run_data(record, cfg, args.split or "test", args.data_dir)
+      data, source, name = run_data(record, cfg, c.split or "test", c.data_dir)
     elif args.file is not None:
       if not epath.Path(args.file).is_file():
         raise FileNotFoundError(f"--file {args.file}: no such file")
@@ -117,25 +135,25 @@ def main(argv: list[str] | None = None) -> int:
       source = {"file": args.file}
       name = f"file_{epath.Path(args.file).name}"
     else:
-      dataset, split = args.dataset or cfg.dataset, args.split or "test"
-      data = load_split(dataset, split, args.data_dir or cfg.data_dir)
+      dataset, split = c.dataset or cfg.dataset, c.split or "test"
+      data = load_split(dataset, split, c.data_dir or cfg.data_dir)
       source = {"dataset": dataset, "split": split}
       name = f"{dataset}_{split}"
-    if args.max_bytes is not None:
-      data = data[:args.max_bytes]
+    if c.max_bytes is not None:
+      data = data[:c.max_bytes]
     check_bytes(data, cfg.model.vocab_size, args.file or name)
     if data.size < 2:
       raise ValueError(f"{args.file or name} holds {data.size} byte(s) to score; a prediction "
                        f"needs at least 2")
-    out = epath.Path(args.output or workdir / f"bpc_{name}_{args.protocol}.json")
+    out = epath.Path(args.output or workdir / f"bpc_{name}_{c.protocol}.json")
     if jax.process_index() == 0:
       check_writable(out)  # before minutes of evaluation, not after
   except USAGE_ERRORS as e:
     usage_error(parser, e)
   try:
     result = evaluate_run(workdir, data, step=args.step, mesh=training.make_mesh((-1, 1)),
-                          context=args.context, stride=args.stride, score_last=args.score_last,
-                          batch_size=args.batch_size, protocol=args.protocol,
+                          context=c.context, stride=c.stride, score_last=c.score_last,
+                          batch_size=c.batch_size, protocol=c.protocol,
                           progress=not args.no_progress)
   except (CheckpointError, FileNotFoundError) as e:
     # No checkpoint, or none that restores and verifies: one line, not Orbax's tracebacks.

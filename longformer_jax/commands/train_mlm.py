@@ -5,14 +5,13 @@
     # the paper's run: roberta-base made long (positions copied), 65K steps of 64 x 4,096 tokens
     python -m train.mlm --preset mlm_paper --init ./roberta-base --data ./my-corpus/
 
-Presets (`--preset`, or `--config FILE` with `get_config()`): mlm_tiny (the default, a first try
-on a CPU), mlm_paper and mlm_paper_large (the paper's; only when named) (`tasks.mlm`). `--init
-DIR` (with the --preset or --config of its schedule) starts from a RoBERTa directory
+Presets (`--preset`, or `--config FILE` with `get_config()`): mlm_tiny (the default, a first try on
+a CPU), mlm_paper and mlm_paper_large (the paper's; only when named): train/configs/mlm_*.py.
+`--init DIR` (with the --preset or --config of its schedule) starts from a RoBERTa directory
 (config.json + weights; made long by copying its positions up to the longest stage's sequence
 length, with the preset's window), an HF Longformer directory, or a project model checkpoint
-(`checkpoint.save_model`); the model's shape comes from there, its compute settings
-(attention_impl, dtype, remat) from the preset. Without `--init` the preset's model starts from
-its seed.
+(`checkpoint.save_model`); the model's shape comes from there, its compute settings (attention_impl,
+dtype, remat) from the preset. Without `--init` the preset's model starts from its seed.
 
 Text (`--data`, a shorthand for `--set dataset=`; default the preset's dataset): enwik8, text8,
 enwik8_sample, text8_sample, tfds:NAME, a text file or a directory of *.txt files (split 90/5/5
@@ -26,7 +25,7 @@ as <workdir>/tokenizer.json. Token ids are cached under <data_dir>/mlm_tokens (o
 `--set path=value` overrides any setting; `--print-config` shows the result. Rerunning resumes
 from the newest checkpoint that verifies, and refuses to if the model, the data, the tokenizer,
 the starting weights or the stages already trained differ. Exit status as every command's
-(`longformer_jax.cli.driver`); a bad `--init`, `--tokenizer` or `--data` (missing, empty, not
+(`longformer_jax.commands.run`); a bad `--init`, `--tokenizer` or `--data` (missing, empty, not
 UTF-8) is status 2 before training. Writes <workdir>/metrics.jsonl, tensorboard/, curves.png,
 checkpoints/, tokenizer.json and results.json (the final test MLM scores; eval.mlm: any step).
 """
@@ -37,30 +36,38 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from longformer_jax.cli.driver import Plan, TrainCommand
+from longformer_jax.cli.settings import Command
+from longformer_jax.commands.run import Plan, TrainCommand
+
+DEFAULT_PRESET = "mlm_tiny"
+
+
+def _inputs(parser):
+  parser.add_argument("--init", default=None, metavar="DIR",
+                      help="start from a RoBERTa, an HF Longformer or a model checkpoint")
+  parser.add_argument("--tokenizer", default=None, metavar="PATH",
+                      help="tokenizer.json, or a directory with it or vocab.json + merges.txt")
+  parser.add_argument("--data", default=None, metavar="SOURCE",
+                      help="text source (sets the config's dataset)")
 
 
 class MLM(TrainCommand):
-  prog = "train.mlm"
-  doc = __doc__
-  preset_task = "mlm"
-  default_preset = "mlm_tiny"
 
-  def add_arguments(self, parser):
-    parser.add_argument("--init", default=None, metavar="DIR",
-                        help="start from a RoBERTa, an HF Longformer or a model checkpoint")
-    parser.add_argument("--tokenizer", default=None, metavar="PATH",
-                        help="tokenizer.json, or a directory with it or vocab.json + merges.txt")
-    parser.add_argument("--data", default=None, metavar="SOURCE",
-                        help="text source (sets the config's dataset)")
+  def command(self):
+    from longformer_jax.training import TrainConfig
+    return Command("train.mlm", __doc__, TrainConfig, default=DEFAULT_PRESET,
+                   presets="train/configs/mlm_*", inputs=_inputs)
 
-  def default_workdir(self, args):
+  def default_workdir(self, parsed):
+    args = parsed.args
     return Path("runs") / (Path(args.config).stem if args.config
-                           else (args.preset or self.default_preset))
+                           else (args.preset or DEFAULT_PRESET))
 
-  def shorthands(self, args, cfg):
+  def train_config(self, parsed, workdir):
+    from longformer_jax import training
     from longformer_jax.tasks import mlm
-    preset = None if args.config else (args.preset or self.default_preset)
+    args, cfg = parsed.args, parsed.config
+    preset = None if args.config else (args.preset or DEFAULT_PRESET)
     if args.init is not None and not (args.config or args.preset):
       raise ValueError("--init continues a pretrained model: name its schedule (--preset "
                        "mlm_paper, the paper's, or a --config); the default trains from scratch")
@@ -68,11 +75,8 @@ class MLM(TrainCommand):
       raise ValueError(f"preset {preset} continues a pretrained model (peak learning rate "
                        f"{cfg.stages[0].learning_rate}): give --init DIR (a RoBERTa), or train "
                        f"from scratch with --preset mlm_tiny or a --config")
-    return cfg if args.data is None else dataclasses.replace(cfg, dataset=args.data)
-
-  def finish_config(self, args, cfg, options, workdir):
-    from longformer_jax import training
-    from longformer_jax.tasks import mlm
+    if args.data is not None:
+      cfg = dataclasses.replace(cfg, dataset=args.data)
     mlm.check_final_eval(cfg)  # before a tokenizer is trained
     if args.init is None:
       return cfg
@@ -85,11 +89,12 @@ class MLM(TrainCommand):
         cfg, model=mlm.keep_compute_settings(self._init_model.config, cfg.model))
     return training.apply_overrides(cfg, [a for a in args.set if a.startswith("model.")])
 
-  def plan(self, args, cfg, options, workdir):
+  def plan(self, parsed, cfg, workdir):
     from flax import nnx
     from longformer_jax.tasks import mlm
     from longformer_jax.training import sources
     from longformer_jax.training.config import keep_run_file
+    args = parsed.args
     init_params = init_identity = None
     if args.init is not None:
       params = nnx.state(self._init_model, nnx.Param)

@@ -20,28 +20,49 @@ bad argument, or a run of another kind in --workdir (one `error:` line), checked
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 
+from longformer_jax.cli import settings
+from longformer_jax.commands.run import EXIT_OK, fail
 
-from longformer_jax.cli.driver import (
-    EXIT_OK, Parser, fail, nonnegative_int, parse_settings, printed_config)
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig:
+  """How eval.sample samples; each field has a flag of its own (`--top-k`). The sampling
+  settings are checked by `generation.SamplingConfig`."""
+  max_new_tokens: int = 200
+  temperature: float = 1.0
+  top_k: int | None = None
+  top_p: float | None = None
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 0:
+      raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+
+FLAGS = {"max_new_tokens": "bytes to sample", "temperature": "0: greedy",
+         "top_k": "sample among the k likeliest", "top_p": "nucleus sampling, in (0, 1]",
+         "seed": "the sampling's seed"}
+
+
+def _inputs(parser):
+  parser.add_argument("--workdir", required=True, help="the training run's directory")
+  parser.add_argument("--prompt", required=True, help="text to continue (at least one byte)")
+  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
+                      help="checkpoint step (default: latest)")
+
+
+COMMAND = settings.Command("eval.sample", __doc__, SampleConfig, FLAGS, default=SampleConfig,
+                           inputs=_inputs)
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = Parser("eval.sample", __doc__)
-  parser.add_argument("--workdir", required=True, help="the training run's directory")
-  parser.add_argument("--prompt", required=True, help="text to continue (at least one byte)")
-  parser.add_argument("--max-new-tokens", type=nonnegative_int, default=200,
-                      help="bytes to sample")
-  parser.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
-  parser.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
-  parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling, in (0, 1]")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--step", type=nonnegative_int, default=None,
-                      help="checkpoint step (default: latest)")
-  args = parse_settings(parser, argv)
-  if printed_config(args):
+  parser, parsed = settings.parse(COMMAND, argv)
+  args, c = parsed.args, parsed.config
+  if parsed.printed():
     return EXIT_OK
 
   import jax
@@ -54,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     # Checked before the checkpoint is read. A command line's bytes that are not UTF-8 come
     # back as they were given (Python holds them as escapes): the model reads bytes.
     prompt = args.prompt.encode("utf-8", "surrogateescape")
-    SamplingConfig(args.temperature, args.top_k, args.top_p)
+    SamplingConfig(c.temperature, c.top_k, c.top_p)
   except UnicodeEncodeError as e:
     parser.error(f"--prompt holds {args.prompt[e.start]!a} at character {e.start}, a lone "
                  f"surrogate: not text, and no byte")
@@ -71,9 +92,9 @@ def main(argv: list[str] | None = None) -> int:
   start = time.perf_counter()
   with _compile_seconds() as compiling:
     try:
-      tokens = model.generate(np.frombuffer(prompt, np.uint8), args.max_new_tokens,
-                              temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                              seed=args.seed, windows=windows)
+      tokens = model.generate(np.frombuffer(prompt, np.uint8), c.max_new_tokens,
+                              temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                              seed=c.seed, windows=windows)
     except ValueError as e:
       # Raised by the checks of the prompt and the sampling settings, before any compute.
       parser.error(str(e))

@@ -27,36 +27,66 @@ line); 2 a bad argument (one `error:` line).
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
-from longformer_jax.cli.driver import (
-    EXIT_OK, Parser, fail, nonnegative_int, positive_int, parse_settings, printed_config)
+from longformer_jax.cli import settings
+from longformer_jax.commands.run import EXIT_OK, fail
 from longformer_jax.tasks.trained import load_trained
 
 
-def main(argv: list[str] | None = None) -> int:
-  parser = Parser("eval.export", __doc__)
+@dataclasses.dataclass(frozen=True)
+class ExportConfig:
+  """What eval.export compiles; each field has a flag of its own (`--seq-len 1024 4096`)."""
+  seq_len: tuple[int, ...] = ()
+  batch_size: int = 1
+  max_global: int | None = None
+  num_choices: int | None = None
+  platform: tuple[str, ...] | None = None
+  max_length: int | None = None
+  num_beams: int = 1
+
+  def __post_init__(self):
+    for name, low in (("batch_size", 1), ("max_global", 0), ("num_choices", 1),
+                      ("max_length", 1), ("num_beams", 1)):
+      value = getattr(self, name)
+      if value is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    for n in self.seq_len:
+      if n < 1:
+        raise ValueError(f"seq_len: must be >= 1, got {n}")
+
+
+FLAGS = {
+    "seq_len": "input length(s): one program per length (bucket)",
+    "batch_size": "rows per call",
+    "max_global": "global tokens per row (default: 1 for classification and LED, else "
+                  "longformer_jax.export.DEFAULT_MAX_GLOBAL)",
+    "num_choices": "candidates per example (multiple choice)",
+    "platform": "cpu, cuda, rocm, tpu (default: this machine's backend)",
+    "max_length": "LED: decoder positions of the cache (default: its position table)",
+    "num_beams": "LED: decoding rows per example (beam search)",
+}
+
+
+def _inputs(parser):
   parser.add_argument("--workdir", required=True,
                       help="a training run or a model checkpoint directory")
   parser.add_argument("--out", required=True, help="the zip archive to write")
-  parser.add_argument("--seq-len", type=positive_int, nargs="+", required=True,
-                      help="input length(s): one program per length (bucket)")
-  parser.add_argument("--batch-size", type=positive_int, default=1)
-  parser.add_argument("--max-global", type=nonnegative_int, default=None,
-                      help="global tokens per row (default: 1 for classification and LED, "
-                           "else longformer_jax.export.DEFAULT_MAX_GLOBAL)")
-  parser.add_argument("--num-choices", type=positive_int, default=None,
-                      help="candidates per example (multiple choice)")
-  parser.add_argument("--platform", nargs="+", default=None,
-                      help="cpu, cuda, rocm, tpu (default: this machine's backend)")
-  parser.add_argument("--step", type=nonnegative_int, default=None,
+  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
                       help="checkpoint step (default: latest)")
-  parser.add_argument("--max-length", type=positive_int, default=None,
-                      help="LED: decoder positions of the cache (default: its position table)")
-  parser.add_argument("--num-beams", type=positive_int, default=1,
-                      help="LED: decoding rows per example (beam search)")
-  args = parse_settings(parser, argv)
-  if printed_config(args):
+
+
+COMMAND = settings.Command("eval.export", __doc__, ExportConfig, FLAGS, default=ExportConfig,
+                           inputs=_inputs)
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser, parsed = settings.parse(COMMAND, argv)
+  args, c = parsed.args, parsed.config
+  if not c.seq_len:
+    parser.error("--seq-len needed (the flag, or a setting of --config or --set)")
+  if parsed.printed():
     return EXIT_OK
 
   from longformer_jax import export, led
@@ -70,32 +100,33 @@ def main(argv: list[str] | None = None) -> int:
   name = type(model).__name__
   is_led = isinstance(model, led.LEDForConditionalGeneration)
   if not is_led:
-    for flag, value in (("--max-length", args.max_length), ("--num-beams", args.num_beams > 1)):
+    for flag, value in (("--max-length", c.max_length), ("--num-beams", c.num_beams > 1)):
       if value:
         parser.error(f"{flag} is for LED models; {args.workdir} holds a {name}")
-  lengths = sorted(set(args.seq_len))
+  lengths = sorted(set(c.seq_len))
+  platforms = c.platform
   try:
     if is_led:
-      max_length = args.max_length or model.config.max_decoder_position_embeddings
-      max_global = 1 if args.max_global is None else args.max_global
-      exported = export.export_led(model, batch_size=args.batch_size, seq_len=lengths,
+      max_length = c.max_length or model.config.max_decoder_position_embeddings
+      max_global = 1 if c.max_global is None else c.max_global
+      exported = export.export_led(model, batch_size=c.batch_size, seq_len=lengths,
                                    max_length=max_length, max_global=max_global,
-                                   num_beams=args.num_beams, platforms=args.platform)
+                                   num_beams=c.num_beams, platforms=platforms)
       programs = {f"{program}/{n}": getattr(exported[n], program)
                   for n in lengths for program in export.LEDPrograms._fields}
       names = {entry: export.PROGRAMS[entry.split("/")[0]] for entry in programs}
-      info.update(max_length=max_length, num_beams=args.num_beams, max_global=max_global)
+      info.update(max_length=max_length, num_beams=c.num_beams, max_global=max_global)
     else:
       exported = export.export_model(
-          model, batch_size=args.batch_size, seq_len=lengths, max_global=args.max_global,
-          num_choices=args.num_choices, windows=info.get("windows"), platforms=args.platform)
+          model, batch_size=c.batch_size, seq_len=lengths, max_global=c.max_global,
+          num_choices=c.num_choices, windows=info.get("windows"), platforms=platforms)
       programs = {f"forward/{n}": exported[n] for n in lengths}
       names = dict.fromkeys(programs, export.PROGRAMS[name])
-      info.update({k: v for k, v in (("max_global", args.max_global),
-                                     ("num_choices", args.num_choices)) if v is not None})
+      info.update({k: v for k, v in (("max_global", c.max_global),
+                                     ("num_choices", c.num_choices)) if v is not None})
   except (TypeError, ValueError) as e:
     parser.error(str(e))
-  info.update(model_class=name, batch_size=args.batch_size, seq_lens=lengths)
+  info.update(model_class=name, batch_size=c.batch_size, seq_lens=lengths)
   size = export.write_archive(args.out, programs, names, info)
   for entry, program in programs.items():
     shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in program.in_avals[:3])

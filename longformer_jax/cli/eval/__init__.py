@@ -1,1 +1,0 @@
-"""Evaluation commands: `python -m eval.<name>` or `longformer-eval-<name>`."""

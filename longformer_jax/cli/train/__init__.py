@@ -1,1 +1,0 @@
-"""Training commands: `python -m train.<name>` or `longformer-train-<name>`."""
