@@ -36,6 +36,7 @@ from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, tokenizer_file
+from longformer_jax.tasks.qa_metrics import NORMALIZERS
 from longformer_jax.tasks.finetune_kinds import (
     KINDS, MODEL_CLASSES, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging,
     best_spans, get_kind, macro_f1, normalize_answer, register, span_answer, squad_scores,
@@ -49,6 +50,7 @@ from longformer_jax.training import sources
 from longformer_jax.training.sources import ModelSource
 
 TOKENIZER_FILE = "tokenizer.json"  # the copy of its tokenizer a run keeps in its workdir
+QA_LOSSES = ("first", "all_occurrences")  # FinetuneOptions.qa_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +67,11 @@ class FinetuneOptions:
     error). An "O" among them turns on the F1 metrics.
   roberta_positions, roberta_window: the position table and one-sided window of a Longformer
     made from a RoBERTa directory (`convert.roberta_to_longformer`).
+  qa_normalizer: QA: the answer normaliser of exact match and F1, "squad" or "triviaqa"
+    (`qa_metrics.NORMALIZERS`).
+  qa_loss: QA: "first" (the first answer that survived truncation, HF's loss) or
+    "all_occurrences" (every occurrence of every answer and alias in the kept context, the
+    paper's TriviaQA loss; `QuestionAnswering`).
   """
   global_attention: str = "default"
   max_question_length: int = 128
@@ -72,6 +79,8 @@ class FinetuneOptions:
   label_names: tuple[str, ...] | None = None
   roberta_positions: int = 4096
   roberta_window: int = 256
+  qa_normalizer: str = "squad"
+  qa_loss: str = "first"
 
   def __post_init__(self):
     if self.global_attention not in fd.GLOBAL_MODES:
@@ -82,6 +91,11 @@ class FinetuneOptions:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if self.qa_normalizer not in NORMALIZERS:
+      raise ValueError(f"qa_normalizer must be one of {tuple(NORMALIZERS)}, got "
+                       f"{self.qa_normalizer!r}")
+    if self.qa_loss not in QA_LOSSES:
+      raise ValueError(f"qa_loss must be one of {QA_LOSSES}, got {self.qa_loss!r}")
     if self.label_names is not None and (
         not self.label_names or len(set(self.label_names)) != len(self.label_names)):
       raise ValueError(f"label_names must be distinct names, got {self.label_names!r}")
@@ -98,7 +112,8 @@ class FinetuneTask(Task):
     (`fd.read_split`); validation (optional) gives "valid_<metric>" every `eval_every` steps,
     on its first `eval_tokens // max_length` examples (all when eval_tokens is None).
   global_attention: "none", "first" or "question" (`Kind.resolve_global`).
-  options: for the evaluation (max_answer_length).
+  options: the kind's settings (`Kind.configured`: the QA normaliser and loss) and the
+    evaluation's (max_answer_length).
   identity: JSON values naming everything else that fixes what the run computes (tokenizer,
     starting weights); stored with the run and compared on resume.
 
@@ -113,7 +128,7 @@ class FinetuneTask(Task):
                validation: fd.FinetuneSplit | None = None, *, global_attention: str,
                options: FinetuneOptions = FinetuneOptions(),
                identity: Mapping[str, Any] | None = None, test: fd.FinetuneSplit | None = None):
-    kind = get_kind(task)
+    kind = get_kind(task).configured(options)
     for split in (train, validation):
       if split is not None and split.task != task:
         raise ValueError(f"{split.path} was read for task {split.task!r}, not {task!r}")
@@ -156,7 +171,7 @@ class FinetuneTask(Task):
     return {"task": self.task, "train_sha256": self.train.sha256,
             "train_examples": len(self.train), "global_attention": self.global_attention,
             "max_question_length": self.options.max_question_length,
-            "label_names": self.train.label_names, **self._identity}
+            "label_names": self.train.label_names, **self.kind.settings(), **self._identity}
 
   def build_model(self, config: LongformerConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
                   seq_axis: str | None = None) -> nnx.Module:
@@ -348,7 +363,9 @@ def run_settings(workdir, task: str, max_length: int | None = None,
   options = FinetuneOptions(
       global_attention=data["global_attention"],
       max_question_length=data["max_question_length"],
-      label_names=None if data["label_names"] is None else tuple(data["label_names"]))
+      label_names=None if data["label_names"] is None else tuple(data["label_names"]),
+      # A kind's settings are in the record when they differ from the defaults.
+      **{k: data[k] for k in KIND_SETTINGS if k in data})
   return cfg, options, None if path is None else load_tokenizer(path)
 
 
@@ -363,7 +380,7 @@ def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokeni
   the validation or test file that training never saw is an error naming its file and line, not
   a new class. Without a training file (scoring a model without training) the given files name
   them."""
-  kind = get_kind(task)
+  kind = get_kind(task).configured(options)
   label_names = options.label_names
   if new_run:
     named_by = [paths["train"]] if paths.get("train") is not None else [
@@ -439,7 +456,9 @@ def evaluation_only(task: str, cfg: TrainConfig, source: ModelSource | None, wor
 # model's weights or architecture nor the data it was trained on.
 EVAL_ONLY_SETTINGS = ("eval_batch_size", "mesh_shape", "logical_rules", "model.attention_impl",
                       "model.remat")
-EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length")
+EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length", "qa_normalizer")
+# The options a kind reads (`Kind.configured`), recorded in a run's identity when not the default.
+KIND_SETTINGS = ("qa_normalizer", "qa_loss")
 
 
 def _changes(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
