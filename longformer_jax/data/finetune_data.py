@@ -103,7 +103,8 @@ class RecordLayout(Protocol):
 
   name: the task's name. required: the fields of every record with their types.
   documents: the text field and "input_ids" with their types; a record holds exactly one.
-  optional: the other fields a record may hold, with their types.
+  optional: the other fields a record may hold, with their types. read_records: the records of
+  a file (`text.read_jsonl`'s arguments; JSONL unless the kind reads another format too).
   featurise: one record as an `Example`. split_fields: `FinetuneSplit` fields of the whole file
   beyond the common ones (label_names, int_labels, num_choices).
   """
@@ -111,6 +112,9 @@ class RecordLayout(Protocol):
   required: Mapping[str, type | tuple[type, ...]]
   documents: Mapping[str, type | tuple[type, ...]]
   optional: Mapping[str, type | tuple[type, ...]]
+
+  def read_records(self, path: str, schema: Mapping[str, Any], *, optional: Mapping[str, Any],
+                   unique: Sequence[str]) -> list[text.Record]: ...
 
   def featurise(self, reader: Reader, record: text.Record, by_text: bool) -> Example: ...
 
@@ -126,6 +130,7 @@ class FinetuneSplit:
   line number. by_text: the records hold text (not ids).
   label_names: token task: the tag of each label id; int_labels: the file spells tags as ids.
   num_choices: multiple choice: the most candidates of a record (rows are padded to it).
+  num_chunks: WikiHop: the most rows (chunks of the supports) of a record.
   """
   kind: RecordLayout
   path: str
@@ -137,6 +142,7 @@ class FinetuneSplit:
   label_names: tuple[str, ...] | None = None
   int_labels: bool = False
   num_choices: int | None = None
+  num_chunks: int | None = None
 
   @property
   def task(self) -> str:
@@ -173,7 +179,7 @@ def read_split(path: str | os.PathLike, kind: RecordLayout, tokenizer, *, max_le
   if not isinstance(max_length, int) or max_length < 8:
     raise ValueError(f"max_length must be an int >= 8, got {max_length!r}")
   path = os.fspath(path)
-  records = text.read_jsonl(path, kind.required, optional={
+  records = kind.read_records(path, kind.required, optional={
       **kind.documents, **kind.optional, "id": (str, int), "attention_mask": list},
       unique=("id",))
   names = None if label_names is None else tuple(label_names)

@@ -41,6 +41,8 @@ from longformer_jax.tasks.finetune_kinds import (
     KINDS, MODEL_CLASSES, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging,
     best_spans, get_kind, macro_f1, normalize_answer, register, span_answer, squad_scores,
     tagging_scores)
+# The kinds defined in their own modules register when imported.
+from longformer_jax.tasks import wikihop as _wikihop  # noqa: F401
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.task import Batches, FinalEvaluation, Task
@@ -185,12 +187,11 @@ class FinetuneTask(Task):
 
   def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
               process_count: int) -> Batches:
-    make = functools.partial(self.kind.batch, self.train, global_attention=self.global_attention,
-                             specials=SpecialIds.of_config(cfg.model))
-    return examples.ExampleBatches(lambda rows: make(rows=rows), self.rows,
-                           global_batch_size=cfg.stages[stage_index].batch_size,
-                           seed=cfg.seed + stage_index, process_index=process_index,
-                           process_count=process_count)
+    return self.kind.training_batches(
+        self.train, self.rows, global_attention=self.global_attention,
+        specials=SpecialIds.of_config(cfg.model),
+        global_batch_size=cfg.stages[stage_index].batch_size, seed=cfg.seed + stage_index,
+        process_index=process_index, process_count=process_count)
 
   def evaluate(self, model, cfg: TrainConfig, stage_index: int, mesh: Mesh) -> dict[str, float]:
     if self.validation is None:
@@ -405,6 +406,8 @@ def fit_head(task: str, cfg: TrainConfig, splits: Mapping[str, fd.FinetuneSplit]
   new head sized by the given splits."""
   kind = get_kind(task)
   if source is not None:
+    cfg = dataclasses.replace(cfg, model=cfg.model.replace(
+        vocab_size=_grown_vocabulary(kind, source)))
     if "train" in splits:
       size = kind.num_labels([splits["train"]], source)
     elif source.model_class == kind.model_class.__name__:
@@ -500,8 +503,45 @@ def eval_only_changes(run_cfg: TrainConfig, cfg: TrainConfig, run_options: Finet
 def starting_params(source: ModelSource, task: FinetuneTask, cfg: TrainConfig
                     ) -> dict[str, Any]:
   """A new run's parameters: the encoder from `source`, the head anew where it has none
-  (`initial_params`), for `training.train`'s init_params."""
-  return initial_params(source, task.build_model(cfg.model, nnx.Rngs(cfg.seed)))
+  (`initial_params`; the kind's marker tokens added, `kind_params`), for `training.train`'s
+  init_params."""
+  return kind_params(task.kind, source, task.build_model(cfg.model, nnx.Rngs(cfg.seed)),
+                     seed=cfg.seed)
+
+
+def _grown_vocabulary(kind: Kind, source: ModelSource) -> int:
+  """The vocabulary of `kind`'s model starting from `source`: the source's, plus the kind's
+  marker tokens unless the source is a model of the kind (which has them)."""
+  if not kind.new_tokens or source.model_class == kind.model_class.__name__:
+    return source.config.vocab_size
+  return source.config.vocab_size + len(kind.new_tokens)
+
+
+def kind_params(kind: Kind, source: ModelSource, model: nnx.Module, *, seed: int = 0
+                ) -> dict[str, Any]:
+  """`initial_params` of `model`, a model of `kind`; when the kind adds marker tokens
+  (`Kind.new_tokens`) and `source` lacks them, the source's weights are loaded into a model of
+  the source's vocabulary, which `convert.extend_vocabulary` grows by the markers (new rows
+  drawn from the table's statistics with `seed`, old rows bit-identical).
+
+  Raises ValueError when `model`'s vocabulary has no room for the markers (`fit_head` sizes it).
+  """
+  from longformer_jax import convert
+  added = model.config.vocab_size - source.config.vocab_size
+  if not kind.new_tokens or source.model_class == kind.model_class.__name__:
+    return initial_params(source, model)
+  if added != len(kind.new_tokens):
+    raise ValueError(f"task {kind.name!r} adds the tokens {list(kind.new_tokens)} to the "
+                     f"vocabulary: the model needs vocab_size={source.config.vocab_size} + "
+                     f"{len(kind.new_tokens)}, got {model.config.vocab_size} (size the model "
+                     f"with finetune.fit_head)")
+  base = type(model)(model.config.replace(vocab_size=source.config.vocab_size),
+                     rngs=nnx.Rngs(seed))
+  state = nnx.state(base, nnx.Param)
+  nnx.replace_by_pure_dict(state, initial_params(source, base))
+  nnx.update(base, state)
+  grown = convert.extend_vocabulary(base, added, seed=seed)
+  return nnx.to_pure_dict(nnx.state(grown, nnx.Param))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -575,7 +615,7 @@ def initial_model(task: str, source: ModelSource, cfg: TrainConfig, mesh: Mesh) 
   model = MODEL_CLASSES[task](cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
                               seq_axis=seq_axis(mesh))
   state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, initial_params(source, model))
+  nnx.replace_by_pure_dict(state, kind_params(get_kind(task), source, model, seed=cfg.seed))
   nnx.update(model, jax.device_put(state, param_shardings(state, mesh, cfg.logical_rules)))
   return model
 
@@ -638,7 +678,8 @@ __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
     "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging", "best_spans",
     "eval_only_changes", "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head",
-    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "load_source", "macro_f1",
+    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "kind_params", "load_source",
+    "macro_f1",
     "new_run_config", "normalize_answer", "predict", "read_splits", "register", "run_settings",
     "score", "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
     "tagging_scores", "training_task",

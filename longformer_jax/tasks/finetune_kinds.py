@@ -34,6 +34,7 @@ from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
 from longformer_jax.data.tokenizer import SpecialIds
+from longformer_jax.training import examples as example_batches
 from longformer_jax.training.sources import ModelSource
 from longformer_jax.tasks.qa_metrics import (
     all_occurrence_span_loss, get_normalizer, normalize_answer)
@@ -59,6 +60,8 @@ class Kind(abc.ABC):
     metrics: the names `score` reports, each a fraction in [0, 1].
     untrained: why no example of a split can be trained on (`trains_on`), a format string of
       max_length.
+    new_tokens: marker tokens the kind adds as the last rows of the vocabulary (a run from a
+      model without them grows its table, `convert.extend_vocabulary`); none by default.
 
   Methods: `featurise`, `split_fields` and `label_names` read records; `batch` and `targets`
   make arrays; `logits`, `loss` and `outputs` run the model (under jit); `score` gives metrics
@@ -73,6 +76,7 @@ class Kind(abc.ABC):
   optional: ClassVar[Mapping[str, Any]] = {}
   metrics: ClassVar[tuple[str, ...]]
   untrained: ClassVar[str] = "no record can be trained on at max_length={max_length}"
+  new_tokens: ClassVar[tuple[str, ...]] = ()
 
   def __repr__(self) -> str:
     settings = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
@@ -92,6 +96,11 @@ class Kind(abc.ABC):
     return {}
 
   # Records.
+
+  def read_records(self, path: str, schema: Mapping[str, Any], *, optional: Mapping[str, Any],
+                   unique: Sequence[str]) -> list[text.Record]:
+    """The records of a file, checked against the layout: here JSONL (`text.read_jsonl`)."""
+    return text.read_jsonl(path, schema, optional=optional, unique=unique)
 
   @abc.abstractmethod
   def featurise(self, reader: fd.Reader, record: text.Record, by_text: bool) -> fd.Example:
@@ -140,6 +149,15 @@ class Kind(abc.ABC):
                                [e.global_lengths(global_attention)[0] for e in examples],
                                split.max_length, specials.pad)
     return {**arrays, **self.targets(split, examples)}
+
+  def training_batches(self, split: fd.FinetuneSplit, rows: Sequence[int], *,
+                       global_attention: str, specials: SpecialIds, **sampler_args):
+    """The training `Batches` of `split`'s examples `rows` in `ExampleSampler` order
+    (sampler_args: global_batch_size, seed, process_index, process_count): here `batch` of
+    each batch's rows."""
+    return example_batches.ExampleBatches(
+        lambda batch_rows: self.batch(split, batch_rows, global_attention=global_attention,
+                                      specials=specials), rows, **sampler_args)
 
   @abc.abstractmethod
   def targets(self, split: fd.FinetuneSplit, examples: Sequence[fd.Example]
