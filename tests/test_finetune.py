@@ -475,6 +475,8 @@ _RECORDS = {
               ["O", "B-PER", "O"]),
     "multiple_choice": ({"question": [5], "candidates": [[40], [41], [42]],
                          "input_ids": [7, 8, 40], "label": 2}, "label", 2),
+    "wikihop": ({"query": [5], "candidates": [[40], [41]], "input_ids": [[7, 8], [41]],
+                 "answer": 1}, "label", 1),
 }
 
 
