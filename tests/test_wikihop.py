@@ -203,7 +203,7 @@ def test_growing_the_vocabulary_keeps_old_outputs_bit_identical(tmp_path):
 # A new order every epoch
 
 
-def test_candidates_and_supports_are_laid_out_anew_every_epoch(tmp_path):
+def test_candidates_and_supports_are_laid_out_anew_every_epoch(tmp_path, monkeypatch):
   split = _split(_write(tmp_path / "r.jsonl", _records(3)), max_length=64)
   rows = [0, 1, 2]
   plain = KIND.batch(split, rows, global_attention="question", specials=SPECIALS)
@@ -230,14 +230,13 @@ def test_candidates_and_supports_are_laid_out_anew_every_epoch(tmp_path):
   batches = KIND.training_batches(
       split, rows, global_attention="question", specials=SPECIALS, global_batch_size=2, seed=7,
       process_index=0, process_count=1)
-  original = wikihop_task.WikiHop.batch
-  try:
-    wikihop_task.WikiHop.batch = lambda self, s, r, **kw: seen.append(kw["epochs"]) or {}
-    for _ in range(3):
-      next(batches)
-  finally:
-    wikihop_task.WikiHop.batch = original
-  assert seen == [[0, 0], [0, 1], [1, 1]]
+  monkeypatch.setattr(wikihop_task.WikiHop, "batch",
+                      lambda self, s, r, **kw: seen.append((list(r), kw["epochs"])) or {})
+  for _ in range(3):
+    next(batches)
+  order = [[int(i) for i in text.ExampleSampler(3, global_batch_size=2, seed=7).global_indices(
+      step)] for step in range(3)]
+  assert seen == list(zip(order, [[0, 0], [0, 1], [1, 1]]))
 
 
 # ----------------------------------------------------------------------------------------------
