@@ -203,7 +203,7 @@ class FinetuneTask(Task):
                       batch_size=cfg.eval_batch_size, max_examples=limit, mesh=mesh,
                       rules=cfg.logical_rules)
     metrics, _ = score(self.validation, outputs)
-    return {f"valid_{k}": v for k, v in metrics.items() if k != "examples"}
+    return {f"valid_{k}": v for k, v in metrics.items() if k not in ("examples", "questions")}
 
   def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
                        progress: bool = False) -> FinalEvaluation:
@@ -406,8 +406,9 @@ def fit_head(task: str, cfg: TrainConfig, splits: Mapping[str, fd.FinetuneSplit]
   new head sized by the given splits."""
   kind = get_kind(task)
   if source is not None:
-    cfg = dataclasses.replace(cfg, model=cfg.model.replace(
-        vocab_size=_grown_vocabulary(kind, source)))
+    if kind.new_tokens and source.model_class != kind.model_class.__name__:
+      cfg = dataclasses.replace(cfg, model=cfg.model.replace(
+          vocab_size=cfg.model.vocab_size + len(kind.new_tokens)))
     if "train" in splits:
       size = kind.num_labels([splits["train"]], source)
     elif source.model_class == kind.model_class.__name__:
@@ -507,14 +508,6 @@ def starting_params(source: ModelSource, task: FinetuneTask, cfg: TrainConfig
   init_params."""
   return kind_params(task.kind, source, task.build_model(cfg.model, nnx.Rngs(cfg.seed)),
                      seed=cfg.seed)
-
-
-def _grown_vocabulary(kind: Kind, source: ModelSource) -> int:
-  """The vocabulary of `kind`'s model starting from `source`: the source's, plus the kind's
-  marker tokens unless the source is a model of the kind (which has them)."""
-  if not kind.new_tokens or source.model_class == kind.model_class.__name__:
-    return source.config.vocab_size
-  return source.config.vocab_size + len(kind.new_tokens)
 
 
 def kind_params(kind: Kind, source: ModelSource, model: nnx.Module, *, seed: int = 0
