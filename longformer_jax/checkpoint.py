@@ -433,6 +433,7 @@ MODEL_CLASSES: dict[str, tuple[str, dict[str, type]]] = {
     "longformer_jax.led:LEDForQuestionAnswering": (_LED, {}),
     "longformer_jax.coref:LongformerForCoreference": ("longformer_jax.coref:CorefConfig", {}),
     "longformer_jax.hotpotqa:LongformerForHotpotQA": (_LONGFORMER, {}),
+    "longformer_jax.wikihop:LongformerForWikiHop": (_LONGFORMER, {}),
 }
 # Classes registered at run time by `register_model_class` (the program's own objects).
 _REGISTERED: dict[str, type] = {}

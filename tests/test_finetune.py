@@ -476,6 +476,8 @@ _RECORDS = {
               ["O", "B-PER", "O"]),
     "multiple_choice": ({"question": [5], "candidates": [[40], [41], [42]],
                          "input_ids": [7, 8, 40], "label": 2}, "label", 2),
+    "wikihop": ({"query": [5], "candidates": [[40], [41]], "input_ids": [[7, 8], [41]],
+                 "answer": 1}, "label", 1),
 }
 
 
@@ -532,3 +534,141 @@ def test_qa_targets_and_offsets_recover_the_answer(data):
 
 def ft_tokenizer(data):
   return load_tokenizer(data["tokenizer"])
+
+
+# ----------------------------------------------------------------------------------------------
+# TriviaQA's form of QA: aliases, the normaliser, the all-occurrence loss, one answer per question
+
+_TRIVIAQA_CASES = [("rock and roll", "rock-and-roll"), ("U S", "U.S."), ("New_York", "New York"),
+                   ("\u2018Hamlet\u2019", "Hamlet")]
+
+
+def _qa_split(path, options=ft.FinetuneOptions(), tokenizer=None, max_length=32):
+  config = LongformerConfig.tiny()
+  return fd.read_split(path, ft.get_kind("qa").configured(options), tokenizer,
+                       max_length=max_length, specials=SpecialIds.of_config(config),
+                       vocab_size=config.vocab_size)
+
+
+def test_triviaqa_normaliser_scores_em_1_through_the_qa_kind():
+  """Each prediction, the context text its span covers, against its gold alias: EM 1 under
+  --set qa_normalizer=triviaqa, 0 under SQuAD's (the default)."""
+  examples, outputs = [], {"start": [], "end": [], "score": []}
+  for gold, predicted in _TRIVIAQA_CASES:
+    context = f"x {predicted} y"
+    examples.append(fd.Example(1, np.zeros(5, np.int32), gold=(gold,), context=(1, 4),
+                               offsets=np.asarray([[0, 1], [2, 2 + len(predicted)],
+                                                   [3 + len(predicted), 4 + len(predicted)]],
+                                                  np.int32), context_text=context))
+    outputs["start"].append(2)
+    outputs["end"].append(2)
+    outputs["score"].append(0.0)
+  outputs = {k: np.asarray(v) for k, v in outputs.items()}
+  for name, expected in (("triviaqa", 1.0), ("squad", 0.0)):
+    kind = ft.get_kind("qa").configured(ft.FinetuneOptions(qa_normalizer=name))
+    split = fd.FinetuneSplit(kind, "hand", "", tuple(range(4)), tuple(examples), 8, True)
+    metrics, records = kind.score(split, examples, split.ids, outputs)
+    assert metrics["exact_match"] == expected, (name, metrics)
+    assert [r["prediction"] for r in records] == [p for _, p in _TRIVIAQA_CASES]
+  with pytest.raises(ValueError, match="qa_normalizer must be one of"):
+    ft.FinetuneOptions(qa_normalizer="bleu")
+  with pytest.raises(ValueError, match="qa_loss must be one of"):
+    ft.FinetuneOptions(qa_loss="sum")
+
+
+def test_aliases_give_every_occurrence_and_the_or_loss_is_logsumexp(tmp_path):
+  """An id record with aliases only (no "answers") is read: every occurrence of every alias in
+  the kept context is an answer span; the kind's all-occurrence loss equals a numpy
+  logsumexp reference on its own logits; the default loss takes the first occurrence."""
+  records = [
+      {"question": [5, 6], "input_ids": [7, 40, 41, 9, 40, 41, 8, 42, 7, 40, 41],
+       "aliases": [[40, 41], [42]]},                     # [40 41] twice in range, [42] once
+      {"question": [5], "input_ids": [9, 9, 43, 9], "answers": [{"start": 2, "end": 2}],
+       "aliases": [[9]]},                                # answers and aliases together
+  ]
+  path = _write_jsonl(tmp_path / "aliases.jsonl", records)
+  options = ft.FinetuneOptions(qa_loss="all_occurrences")
+  split = _qa_split(path, options, max_length=16)
+  first, second = split.examples
+  head = 1 + 2 + 2  # <s> q q </s></s>
+  keep = 16 - head - 1  # 10 context tokens: the last [40 41] is cut
+  assert first.context == (head, head + keep)
+  assert first.answer_spans == tuple((head + a, head + b) for a, b in [(1, 2), (4, 5), (7, 7)])
+  assert first.target == (head + 1, head + 2) and first.gold == ((40, 41), (42,))
+  assert second.target == (4 + 2, 4 + 2)  # the given answer comes first
+  assert second.answer_spans == tuple((4 + i, 4 + i) for i in (0, 1, 2, 3))
+  kind = split.kind
+  assert kind.settings() == {"qa_loss": "all_occurrences"}
+  config = LongformerConfig.tiny(num_hidden_layers=1, attention_impl="reference")
+  model = kind.model_class(config, rngs=nnx.Rngs(0))
+  model.eval()
+  batch = kind.batch(split, [0, 1], global_attention="question",
+                     specials=SpecialIds.of_config(config))
+  assert batch["answer_starts"].shape == (2, kind.MAX_OCCURRENCES)
+  max_global = split.max_global("question")
+  logits = {k: np.asarray(v, np.float64) for k, v in kind.logits(model, batch,
+                                                                 max_global).items()}
+
+  def lse(x):
+    return np.log(np.sum(np.exp(x - x.max()))) + x.max()
+
+  reference = []
+  for row, e in enumerate(split.examples):
+    starts = sorted({a for a, _ in e.answer_spans})
+    ends = sorted({b for _, b in e.answer_spans})
+    s, t = logits["start_logits"][row], logits["end_logits"][row]
+    reference.append(0.5 * ((lse(s) - lse(s[starts])) + (lse(t) - lse(t[ends]))))
+  got = float(kind.loss(model, batch, max_global))
+  assert got == pytest.approx(np.mean(reference), rel=1e-5, abs=1e-6)
+  # The default loss: the first span's cross-entropy.
+  plain = ft.get_kind("qa")
+  batch = plain.batch(_qa_split(path, max_length=16), [0, 1], global_attention="question",
+                      specials=SpecialIds.of_config(config))
+  first_only = np.mean([0.5 * ((lse(logits["start_logits"][r]) - logits["start_logits"][r][a])
+                               + (lse(logits["end_logits"][r]) - logits["end_logits"][r][b]))
+                        for r, (a, b) in enumerate([first.target, second.target])])
+  assert float(plain.loss(model, batch, max_global)) == pytest.approx(first_only, rel=1e-5)
+  # A record with neither answers nor aliases is refused, naming the field.
+  bad = _write_jsonl(tmp_path / "bad.jsonl", [{"question": [5], "input_ids": [7]}])
+  with pytest.raises(fd.text.JsonlError, match=r"bad.jsonl:1: field 'answers' is missing "
+                     r"\(a record needs \"answers\" or \"aliases\"\)"):
+    _qa_split(bad)
+
+
+def test_text_aliases_match_case_insensitively_at_word_boundaries(data, tmp_path):
+  record = {"question": "which number ?", "context": "w1 N3 w2 n3 w4 n33",
+            "aliases": ["n3"]}
+  split = _qa_split(_write_jsonl(tmp_path / "a.jsonl", [record]), tokenizer=ft_tokenizer(data))
+  e = split.examples[0]
+  head = 1 + 3 + 2
+  # "N3" is not a word of the tokenizer (<unk>) but its characters match; "n33" does not.
+  assert e.answer_spans == ((head + 1, head + 1), (head + 3, head + 3))
+  assert [ft.span_answer(e, a, b) for a, b in e.answer_spans] == ["N3", "n3"]
+
+
+def test_records_of_one_question_give_one_answer_the_best_scoring_span(tmp_path):
+  """Three evidence documents of question "q1" and one lone record: "q1" is answered by the
+  span of its highest-scoring document; the metrics are per question."""
+  records = [
+      {"id": "a", "question_id": "q1", "question": [5], "input_ids": [7, 40, 8],
+       "aliases": [[40]]},
+      {"id": "b", "question_id": "q1", "question": [5], "input_ids": [9, 41, 8],
+       "aliases": [[40]]},
+      {"id": "c", "question_id": "q1", "question": [5], "input_ids": [40, 9, 9],
+       "aliases": [[40]]},
+      {"id": "d", "question": [6], "input_ids": [7, 42], "answers": [{"start": 1, "end": 1}]},
+  ]
+  split = _qa_split(_write_jsonl(tmp_path / "q.jsonl", records), max_length=16)
+  head = 1 + 1 + 2
+  # a predicts 7 (wrong, score 1.0), b predicts 41 (wrong, score 3.0, the best of q1), c predicts
+  # 40 (right, score 2.0); d predicts 42 (right).
+  outputs = {"start": np.asarray([head, head + 1, head, head + 1]),
+             "end": np.asarray([head, head + 1, head, head + 1]),
+             "score": np.asarray([1.0, 3.0, 2.0, 0.5])}
+  metrics, predictions = ft.score(split, outputs)
+  assert metrics == {"exact_match": 0.5, "f1": 0.5, "questions": 2, "examples": 4}
+  assert [p.get("question_prediction") for p in predictions] == [(41,)] * 3 + [None]
+  assert [p["prediction"] for p in predictions] == [(7,), (41,), (40,), (42,)]
+  # c scoring highest instead answers q1 right.
+  outputs["score"] = np.asarray([1.0, 2.0, 3.0, 0.5])
+  assert ft.score(split, outputs)[0]["exact_match"] == 1.0

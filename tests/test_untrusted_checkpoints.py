@@ -118,7 +118,7 @@ def test_gadget_only_the_allow_list_loads(saved_model, tmp_path):
   # the config of a LongformerModel only its LongformerConfig.
   expected = [("model_class", m) for m, (c, _) in checkpoint.MODEL_CLASSES.items()
               if c == good_config] + [("config_class", good_config)]
-  assert sorted(loaded) == sorted(expected) and len(expected) == 8
+  assert sorted(loaded) == sorted(expected) and len(expected) == 9
   # Every allow-listed entry resolves to its class and builds (abstractly) from its config.
   for model_path, (config_path, _) in checkpoint.MODEL_CLASSES.items():
     config = TINY_CONFIGS[config_path]

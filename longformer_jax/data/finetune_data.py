@@ -67,6 +67,10 @@ class Example:
   offsets: qa text records: int32 [context tokens, 2], each context token's character span.
   context_text: qa text records: the context.
   target: qa: (start, end) positions of the first answer that survived truncation, else None.
+  answer_spans: qa: (start, end) row positions (end inclusive) of every occurrence of every gold
+    answer and alias inside the kept context, distinct, in row order (the all-occurrence loss).
+  question_id: qa: the question the record is evidence for (several records may share one;
+    they are scored together, `QuestionAnswering.score`), else None.
   candidate_ends: multiple choice: per candidate, the first position after it.
   """
   line: int
@@ -80,6 +84,8 @@ class Example:
   offsets: np.ndarray | None = None
   context_text: str | None = None
   target: tuple[int, int] | None = None
+  answer_spans: tuple[tuple[int, int], ...] = ()
+  question_id: Any = None
   candidate_ends: tuple[int, ...] | None = None
 
   def global_lengths(self, mode: str) -> tuple[int, ...]:
@@ -97,12 +103,18 @@ class RecordLayout(Protocol):
 
   name: the task's name. required: the fields of every record with their types.
   documents: the text field and "input_ids" with their types; a record holds exactly one.
+  optional: the other fields a record may hold, with their types. read_records: the records of
+  a file (`text.read_jsonl`'s arguments; JSONL unless the kind reads another format too).
   featurise: one record as an `Example`. split_fields: `FinetuneSplit` fields of the whole file
   beyond the common ones (label_names, int_labels, num_choices).
   """
   name: str
   required: Mapping[str, type | tuple[type, ...]]
   documents: Mapping[str, type | tuple[type, ...]]
+  optional: Mapping[str, type | tuple[type, ...]]
+
+  def read_records(self, path: str, schema: Mapping[str, Any], *, optional: Mapping[str, Any],
+                   unique: Sequence[str]) -> list[text.Record]: ...
 
   def featurise(self, reader: Reader, record: text.Record, by_text: bool) -> Example: ...
 
@@ -118,6 +130,7 @@ class FinetuneSplit:
   line number. by_text: the records hold text (not ids).
   label_names: token task: the tag of each label id; int_labels: the file spells tags as ids.
   num_choices: multiple choice: the most candidates of a record (rows are padded to it).
+  num_chunks: WikiHop: the most rows (chunks of the supports) of a record.
   """
   kind: RecordLayout
   path: str
@@ -129,6 +142,7 @@ class FinetuneSplit:
   label_names: tuple[str, ...] | None = None
   int_labels: bool = False
   num_choices: int | None = None
+  num_chunks: int | None = None
 
   @property
   def task(self) -> str:
@@ -165,8 +179,9 @@ def read_split(path: str | os.PathLike, kind: RecordLayout, tokenizer, *, max_le
   if not isinstance(max_length, int) or max_length < 8:
     raise ValueError(f"max_length must be an int >= 8, got {max_length!r}")
   path = os.fspath(path)
-  records = text.read_jsonl(path, kind.required, optional={
-      **kind.documents, "id": (str, int), "attention_mask": list}, unique=("id",))
+  records = kind.read_records(path, kind.required, optional={
+      **kind.documents, **kind.optional, "id": (str, int), "attention_mask": list},
+      unique=("id",))
   names = None if label_names is None else tuple(label_names)
   reader = Reader(path, tokenizer, specials, vocab_size, max_length, max_question_length, names)
   by_text = reader.kinds(records, tuple(kind.documents))

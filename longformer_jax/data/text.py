@@ -37,6 +37,7 @@ __all__ = [
     "ExampleSampler",
     "JsonlError",
     "Record",
+    "check_record",
     "encode",
     "file_sha256",
     "pad",
@@ -124,8 +125,6 @@ def read_jsonl(path: str | os.PathLike, schema: Mapping[str, type | tuple[type, 
   path = os.fspath(path)
   if not os.path.isfile(path):
     raise FileNotFoundError(f"{path}: no such file")
-  expected = {k: v if isinstance(v, tuple) else (v,) for k, v in schema.items()}
-  maybe = {k: v if isinstance(v, tuple) else (v,) for k, v in (optional or {}).items()}
   seen: dict[str, dict[Any, int]] = {name: {} for name in unique}
   records = []
   with open(path, "rb") as f:
@@ -147,31 +146,40 @@ def read_jsonl(path: str | os.PathLike, schema: Mapping[str, type | tuple[type, 
         raise JsonlError(path, line_number, None,
                          "nests JSON arrays or objects too deeply to be read (a record's "
                          "fields are strings, numbers and flat lists)") from None
-      if not isinstance(obj, dict):
-        raise JsonlError(path, line_number, None,
-                         f"must be a JSON object, got {type(obj).__name__}")
-      fields = {}
-      for name, types in expected.items():
-        if name not in obj:
-          raise JsonlError(path, line_number, name,
-                           f"is missing (the record has {sorted(obj)})")
-        _check_field(path, line_number, name, obj[name], types)
-        fields[name] = obj[name]
-      for name, types in maybe.items():
-        if name in obj:
-          _check_field(path, line_number, name, obj[name], types)
-          fields[name] = obj[name]
-      for name, values in seen.items():
-        if name in fields:
-          first = values.setdefault(fields[name], line_number)
-          if first != line_number:
-            raise JsonlError(path, line_number, name,
-                             f"repeats {json.dumps(fields[name])[:80]} of line "
-                             f"{first}")
-      records.append(Record(line_number, fields))
+      records.append(check_record(path, line_number, obj, schema, optional=optional,
+                                  seen=seen))
   if not records:
     raise JsonlError(path, None, None, "holds no records")
   return records
+
+
+def check_record(path: str, line: int, obj: Any, schema: Mapping[str, type | tuple[type, ...]],
+                 *, optional: Mapping[str, type | tuple[type, ...]] | None = None,
+                 seen: dict[str, dict[Any, int]] | None = None) -> Record:
+  """One parsed JSON value as the `Record` at `line` of `path`, checked as `read_jsonl` checks a
+  line (its schema, optional fields); `seen` ({field: {value: line}}, updated) finds repeats of
+  the unique fields. For readers of other containers of records (a JSON array)."""
+  expected = {k: v if isinstance(v, tuple) else (v,) for k, v in schema.items()}
+  maybe = {k: v if isinstance(v, tuple) else (v,) for k, v in (optional or {}).items()}
+  if not isinstance(obj, dict):
+    raise JsonlError(path, line, None, f"must be a JSON object, got {type(obj).__name__}")
+  fields = {}
+  for name, types in expected.items():
+    if name not in obj:
+      raise JsonlError(path, line, name, f"is missing (the record has {sorted(obj)})")
+    _check_field(path, line, name, obj[name], types)
+    fields[name] = obj[name]
+  for name, types in maybe.items():
+    if name in obj:
+      _check_field(path, line, name, obj[name], types)
+      fields[name] = obj[name]
+  for name, values in (seen or {}).items():
+    if name in fields:
+      first = values.setdefault(fields[name], line)
+      if first != line:
+        raise JsonlError(path, line, name, f"repeats {json.dumps(fields[name])[:80]} of line "
+                         f"{first}")
+  return Record(line, fields)
 
 
 def file_sha256(path: str | os.PathLike) -> str:

@@ -36,10 +36,13 @@ from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, tokenizer_file
+from longformer_jax.tasks.qa_metrics import NORMALIZERS
 from longformer_jax.tasks.finetune_kinds import (
     KINDS, MODEL_CLASSES, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging,
     best_spans, get_kind, macro_f1, normalize_answer, register, span_answer, squad_scores,
     tagging_scores)
+# The kinds defined in their own modules register when imported.
+from longformer_jax.tasks import wikihop as _wikihop  # noqa: F401
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training.sharding import LOGICAL_RULES
 from longformer_jax.training.task import Batches, FinalEvaluation, Task
@@ -48,6 +51,7 @@ from longformer_jax.training import sources
 from longformer_jax.training.sources import ModelSource
 
 TOKENIZER_FILE = "tokenizer.json"  # the copy of its tokenizer a run keeps in its workdir
+QA_LOSSES = ("first", "all_occurrences")  # FinetuneOptions.qa_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +68,11 @@ class FinetuneOptions:
     error). An "O" among them turns on the F1 metrics.
   roberta_positions, roberta_window: the position table and one-sided window of a Longformer
     made from a RoBERTa directory (`convert.roberta_to_longformer`).
+  qa_normalizer: QA: the answer normaliser of exact match and F1, "squad" or "triviaqa"
+    (`qa_metrics.NORMALIZERS`).
+  qa_loss: QA: "first" (the first answer that survived truncation, HF's loss) or
+    "all_occurrences" (every occurrence of every answer and alias in the kept context, the
+    paper's TriviaQA loss; `QuestionAnswering`).
   """
   global_attention: str = "default"
   max_question_length: int = 128
@@ -71,6 +80,8 @@ class FinetuneOptions:
   label_names: tuple[str, ...] | None = None
   roberta_positions: int = 4096
   roberta_window: int = 256
+  qa_normalizer: str = "squad"
+  qa_loss: str = "first"
 
   def __post_init__(self):
     if self.global_attention not in fd.GLOBAL_MODES:
@@ -81,6 +92,11 @@ class FinetuneOptions:
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    if self.qa_normalizer not in NORMALIZERS:
+      raise ValueError(f"qa_normalizer must be one of {tuple(NORMALIZERS)}, got "
+                       f"{self.qa_normalizer!r}")
+    if self.qa_loss not in QA_LOSSES:
+      raise ValueError(f"qa_loss must be one of {QA_LOSSES}, got {self.qa_loss!r}")
     if self.label_names is not None and (
         not self.label_names or len(set(self.label_names)) != len(self.label_names)):
       raise ValueError(f"label_names must be distinct names, got {self.label_names!r}")
@@ -97,7 +113,8 @@ class FinetuneTask(Task):
     (`fd.read_split`); validation (optional) gives "valid_<metric>" every `eval_every` steps,
     on its first `eval_tokens // max_length` examples (all when eval_tokens is None).
   global_attention: "none", "first" or "question" (`Kind.resolve_global`).
-  options: for the evaluation (max_answer_length).
+  options: the kind's settings (`Kind.configured`: the QA normaliser and loss) and the
+    evaluation's (max_answer_length).
   identity: JSON values naming everything else that fixes what the run computes (tokenizer,
     starting weights); stored with the run and compared on resume.
 
@@ -112,7 +129,7 @@ class FinetuneTask(Task):
                validation: fd.FinetuneSplit | None = None, *, global_attention: str,
                options: FinetuneOptions = FinetuneOptions(),
                identity: Mapping[str, Any] | None = None, test: fd.FinetuneSplit | None = None):
-    kind = get_kind(task)
+    kind = get_kind(task).configured(options)
     for split in (train, validation):
       if split is not None and split.task != task:
         raise ValueError(f"{split.path} was read for task {split.task!r}, not {task!r}")
@@ -155,7 +172,7 @@ class FinetuneTask(Task):
     return {"task": self.task, "train_sha256": self.train.sha256,
             "train_examples": len(self.train), "global_attention": self.global_attention,
             "max_question_length": self.options.max_question_length,
-            "label_names": self.train.label_names, **self._identity}
+            "label_names": self.train.label_names, **self.kind.settings(), **self._identity}
 
   def build_model(self, config: LongformerConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
                   seq_axis: str | None = None) -> nnx.Module:
@@ -169,12 +186,11 @@ class FinetuneTask(Task):
 
   def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
               process_count: int) -> Batches:
-    make = functools.partial(self.kind.batch, self.train, global_attention=self.global_attention,
-                             specials=SpecialIds.of_config(cfg.model))
-    return examples.ExampleBatches(lambda rows: make(rows=rows), self.rows,
-                           global_batch_size=cfg.stages[stage_index].batch_size,
-                           seed=cfg.seed + stage_index, process_index=process_index,
-                           process_count=process_count)
+    return self.kind.training_batches(
+        self.train, self.rows, global_attention=self.global_attention,
+        specials=SpecialIds.of_config(cfg.model),
+        global_batch_size=cfg.stages[stage_index].batch_size, seed=cfg.seed + stage_index,
+        process_index=process_index, process_count=process_count)
 
   def evaluate(self, model, cfg: TrainConfig, stage_index: int, mesh: Mesh) -> dict[str, float]:
     if self.validation is None:
@@ -186,7 +202,7 @@ class FinetuneTask(Task):
                       batch_size=cfg.eval_batch_size, max_examples=limit, mesh=mesh,
                       rules=cfg.logical_rules)
     metrics, _ = score(self.validation, outputs)
-    return {f"valid_{k}": v for k, v in metrics.items() if k != "examples"}
+    return {f"valid_{k}": v for k, v in metrics.items() if k not in ("examples", "questions")}
 
   def final_evaluation(self, cfg: TrainConfig, workdir, mesh: Mesh, *,
                        progress: bool = False) -> FinalEvaluation:
@@ -347,7 +363,9 @@ def run_settings(workdir, task: str, max_length: int | None = None,
   options = FinetuneOptions(
       global_attention=data["global_attention"],
       max_question_length=data["max_question_length"],
-      label_names=None if data["label_names"] is None else tuple(data["label_names"]))
+      label_names=None if data["label_names"] is None else tuple(data["label_names"]),
+      # A kind's settings are in the record when they differ from the defaults.
+      **{k: data[k] for k in KIND_SETTINGS if k in data})
   return cfg, options, None if path is None else load_tokenizer(path)
 
 
@@ -362,7 +380,7 @@ def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokeni
   the validation or test file that training never saw is an error naming its file and line, not
   a new class. Without a training file (scoring a model without training) the given files name
   them."""
-  kind = get_kind(task)
+  kind = get_kind(task).configured(options)
   label_names = options.label_names
   if new_run:
     named_by = [paths["train"]] if paths.get("train") is not None else [
@@ -387,6 +405,9 @@ def fit_head(task: str, cfg: TrainConfig, splits: Mapping[str, fd.FinetuneSplit]
   new head sized by the given splits."""
   kind = get_kind(task)
   if source is not None:
+    if kind.new_tokens and source.model_class != kind.model_class.__name__:
+      cfg = dataclasses.replace(cfg, model=cfg.model.replace(
+          vocab_size=cfg.model.vocab_size + len(kind.new_tokens)))
     if "train" in splits:
       size = kind.num_labels([splits["train"]], source)
     elif source.model_class == kind.model_class.__name__:
@@ -438,7 +459,9 @@ def evaluation_only(task: str, cfg: TrainConfig, source: ModelSource | None, wor
 # model's weights or architecture nor the data it was trained on.
 EVAL_ONLY_SETTINGS = ("eval_batch_size", "mesh_shape", "logical_rules", "model.attention_impl",
                       "model.remat")
-EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length")
+EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length", "qa_normalizer")
+# The options a kind reads (`Kind.configured`), recorded in a run's identity when not the default.
+KIND_SETTINGS = ("qa_normalizer", "qa_loss")
 
 
 def _changes(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
@@ -480,8 +503,37 @@ def eval_only_changes(run_cfg: TrainConfig, cfg: TrainConfig, run_options: Finet
 def starting_params(source: ModelSource, task: FinetuneTask, cfg: TrainConfig
                     ) -> dict[str, Any]:
   """A new run's parameters: the encoder from `source`, the head anew where it has none
-  (`initial_params`), for `training.train`'s init_params."""
-  return initial_params(source, task.build_model(cfg.model, nnx.Rngs(cfg.seed)))
+  (`initial_params`; the kind's marker tokens added, `kind_params`), for `training.train`'s
+  init_params."""
+  return kind_params(task.kind, source, task.build_model(cfg.model, nnx.Rngs(cfg.seed)),
+                     seed=cfg.seed)
+
+
+def kind_params(kind: Kind, source: ModelSource, model: nnx.Module, *, seed: int = 0
+                ) -> dict[str, Any]:
+  """`initial_params` of `model`, a model of `kind`; when the kind adds marker tokens
+  (`Kind.new_tokens`) and `source` lacks them, the source's weights are loaded into a model of
+  the source's vocabulary, which `convert.extend_vocabulary` grows by the markers (new rows
+  drawn from the table's statistics with `seed`, old rows bit-identical).
+
+  Raises ValueError when `model`'s vocabulary has no room for the markers (`fit_head` sizes it).
+  """
+  from longformer_jax import convert
+  added = model.config.vocab_size - source.config.vocab_size
+  if not kind.new_tokens or source.model_class == kind.model_class.__name__:
+    return initial_params(source, model)
+  if added != len(kind.new_tokens):
+    raise ValueError(f"task {kind.name!r} adds the tokens {list(kind.new_tokens)} to the "
+                     f"vocabulary: the model needs vocab_size={source.config.vocab_size} + "
+                     f"{len(kind.new_tokens)}, got {model.config.vocab_size} (size the model "
+                     f"with finetune.fit_head)")
+  base = type(model)(model.config.replace(vocab_size=source.config.vocab_size),
+                     rngs=nnx.Rngs(seed))
+  state = nnx.state(base, nnx.Param)
+  nnx.replace_by_pure_dict(state, initial_params(source, base))
+  nnx.update(base, state)
+  grown = convert.extend_vocabulary(base, added, seed=seed)
+  return nnx.to_pure_dict(nnx.state(grown, nnx.Param))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -539,7 +591,7 @@ def initial_model(task: str, source: ModelSource, cfg: TrainConfig, mesh: Mesh) 
   model = MODEL_CLASSES[task](cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
                               seq_axis=seq_axis(mesh))
   state = nnx.state(model, nnx.Param)
-  nnx.replace_by_pure_dict(state, initial_params(source, model))
+  nnx.replace_by_pure_dict(state, kind_params(get_kind(task), source, model, seed=cfg.seed))
   nnx.update(model, jax.device_put(state, param_shardings(state, mesh, cfg.logical_rules)))
   return model
 
@@ -602,7 +654,8 @@ __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
     "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging", "best_spans",
     "eval_only_changes", "evaluate_only", "evaluation_only", "fit_head",
-    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "load_source", "macro_f1",
+    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "kind_params", "load_source",
+    "macro_f1",
     "new_run_config", "normalize_answer", "predict", "read_splits", "register", "run_settings",
     "score", "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
     "tagging_scores", "training_task",

@@ -20,7 +20,7 @@ import abc
 import collections
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -34,8 +34,10 @@ from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
 from longformer_jax.data.tokenizer import SpecialIds
+from longformer_jax.training import examples as example_batches
 from longformer_jax.training.sources import ModelSource
-from longformer_jax.tasks.qa_metrics import normalize_answer
+from longformer_jax.tasks.qa_metrics import (
+    all_occurrence_span_loss, get_normalizer, normalize_answer)
 
 # Logits of positions and candidates that cannot be chosen (float32: exp underflows to 0).
 _NEG = -1e9
@@ -58,6 +60,8 @@ class Kind(abc.ABC):
     metrics: the names `score` reports, each a fraction in [0, 1].
     untrained: why no example of a split can be trained on (`trains_on`), a format string of
       max_length.
+    new_tokens: marker tokens the kind adds as the last rows of the vocabulary (a run from a
+      model without them grows its table, `convert.extend_vocabulary`); none by default.
 
   Methods: `featurise`, `split_fields` and `label_names` read records; `batch` and `targets`
   make arrays; `logits`, `loss` and `outputs` run the model (under jit); `score` gives metrics
@@ -69,13 +73,34 @@ class Kind(abc.ABC):
   has_question: ClassVar[bool] = False
   required: ClassVar[Mapping[str, Any]]
   documents: ClassVar[Mapping[str, Any]] = {"text": str, "input_ids": list}
+  optional: ClassVar[Mapping[str, Any]] = {}
   metrics: ClassVar[tuple[str, ...]]
   untrained: ClassVar[str] = "no record can be trained on at max_length={max_length}"
+  new_tokens: ClassVar[tuple[str, ...]] = ()
 
   def __repr__(self) -> str:
-    return f"{type(self).__name__}()"
+    settings = ", ".join(f"{k}={v!r}" for k, v in self.settings().items())
+    return f"{type(self).__name__}({settings})"
+
+  # Settings.
+
+  def configured(self, options) -> Kind:
+    """This kind with the settings of `options` (`FinetuneOptions`) it reads: here itself (a
+    kind with settings returns a configured copy, itself when they are its defaults)."""
+    del options
+    return self
+
+  def settings(self) -> dict[str, Any]:
+    """The settings (`configured`) that differ from the defaults, by `FinetuneOptions` name:
+    JSON values recorded in a run's identity."""
+    return {}
 
   # Records.
+
+  def read_records(self, path: str, schema: Mapping[str, Any], *, optional: Mapping[str, Any],
+                   unique: Sequence[str]) -> list[text.Record]:
+    """The records of a file, checked against the layout: here JSONL (`text.read_jsonl`)."""
+    return text.read_jsonl(path, schema, optional=optional, unique=unique)
 
   @abc.abstractmethod
   def featurise(self, reader: fd.Reader, record: text.Record, by_text: bool) -> fd.Example:
@@ -124,6 +149,15 @@ class Kind(abc.ABC):
                                [e.global_lengths(global_attention)[0] for e in examples],
                                split.max_length, specials.pad)
     return {**arrays, **self.targets(split, examples)}
+
+  def training_batches(self, split: fd.FinetuneSplit, rows: Sequence[int], *,
+                       global_attention: str, specials: SpecialIds, **sampler_args):
+    """The training `Batches` of `split`'s examples `rows` in `ExampleSampler` order
+    (sampler_args: global_batch_size, seed, process_index, process_count): here `batch` of
+    each batch's rows."""
+    return example_batches.ExampleBatches(
+        lambda batch_rows: self.batch(split, batch_rows, global_attention=global_attention,
+                                      specials=specials), rows, **sampler_args)
 
   @abc.abstractmethod
   def targets(self, split: fd.FinetuneSplit, examples: Sequence[fd.Example]
@@ -288,43 +322,109 @@ class QuestionAnswering(Kind):
   (the paper's "all question tokens for QA", §3.1). LongformerForQuestionAnswering: the best span
   start <= end < start + max_answer_length over every pair of context positions (`best_spans`).
   Metrics: exact match and F1 against the best-matching gold answer, after SQuAD's normalisation
-  (`squad_scores`). Records {"id", "prediction", "answers", "start", "end", "score"}: the answer
-  text (id records: its token ids) and its context token offsets (end inclusive).
+  (`squad_scores`; `normalizer="triviaqa"` takes TriviaQA's). Records {"id", "prediction",
+  "answers", "start", "end", "score"}: the answer text (id records: its token ids) and its
+  context token offsets (end inclusive).
 
-  A record none of whose answers survives truncation is scored but not trained on.
+  TriviaQA's form (optional fields): "aliases", gold answers given without offsets (strings; id
+  records: lists of ids), each of whose occurrences in the context (case-insensitive, at word
+  boundaries; id records: the same ids in a row) is an answer span, so a record may hold aliases
+  instead of "answers"; "question_id", the question a record is one evidence document of: the
+  records of one question are scored as one, answered by the best-scoring span over all of them
+  (metrics per question, and "questions", their count; each record gets its question's
+  "question_prediction").
+
+  Training: `loss="first"` (default, HF's) takes the first answer whose tokens all survived
+  truncation (given answers before alias occurrences); `loss="all_occurrences"` the
+  all-occurrence "or" loss over every occurrence of every answer and alias inside the kept
+  context (`qa_metrics.all_occurrence_span_loss`, at most `MAX_OCCURRENCES` per record, the first
+  in row order). A record none of whose answers survives truncation is scored but not trained
+  on.
   """
   name = "qa"
   model_class = modeling.LongformerForQuestionAnswering
   default_global = "question"
   has_question = True
-  required = {"question": (str, list), "answers": list}
+  required = {"question": (str, list)}
+  optional = {"answers": list, "aliases": list, "question_id": (str, int)}
   documents = {"context": str, "input_ids": list}
   metrics = ("exact_match", "f1")
   untrained = "no answer of any record lies inside max_length={max_length}"
+  MAX_OCCURRENCES = 64  # answer occurrences per record the all-occurrence loss reads
+  normalizer: str = "squad"
+  loss_mode: str = "first"
+
+  def configured(self, options):
+    normalizer, loss = options.qa_normalizer, options.qa_loss
+    if (normalizer, loss) == (self.normalizer, self.loss_mode):
+      return self
+    kind = type(self)()
+    kind.normalizer, kind.loss_mode = normalizer, loss
+    return kind
+
+  def settings(self):
+    return {k: v for k, v, default in (("qa_normalizer", self.normalizer, "squad"),
+                                       ("qa_loss", self.loss_mode, "first")) if v != default}
 
   def featurise(self, reader, record, by_text):
     s = reader.specials
     question = reader.question(record, by_text)
     ids, offsets = reader.content(record, by_text, "context")
-    answers = record.fields["answers"]
-    if not answers:
-      raise reader.error(record, "answers", "is empty (a record needs at least one answer)")
+    answers, aliases = record.fields.get("answers"), record.fields.get("aliases")
+    if answers is None and aliases is None:
+      raise reader.error(record, "answers", "is missing (a record needs \"answers\" or "
+                         "\"aliases\")")
+    if not answers and not aliases:
+      raise reader.error(record, "answers" if answers is not None else "aliases",
+                         "is empty (a record needs at least one answer)")
     spans, gold = [], []
-    for i, answer in enumerate(answers):
+    for i, answer in enumerate(answers or ()):
       span, answer_gold = self._answer(reader, record, i, answer, by_text, ids, offsets)
       spans.append(span)
       gold.append(answer_gold)
+    alias_spans = []
+    for i, alias in enumerate(aliases or ()):
+      occurrences, alias_gold = self._alias(reader, record, i, alias, by_text, ids, offsets)
+      alias_spans.extend(occurrences)
+      gold.append(alias_gold)
+    spans.extend(sorted(alias_spans))
     head = 1 + len(question) + 2  # <s> question </s></s>
     keep = min(len(ids), reader.room(record, head + 1, "question"))
     row = np.concatenate([[s.bos], question, [s.sep, s.sep], ids[:keep], [s.eos]])
-    # The first answer whose tokens all survived truncation is the training target (the paper's
-    # TriviaQA loss sums over every occurrence; one span keeps HF's simpler loss).
-    target = next(((head + a, head + b) for a, b in spans if b < keep), None)
+    kept = [(head + a, head + b) for a, b in spans if b < keep]
+    # The first answer whose tokens all survived truncation is the "first" loss's target; the
+    # all-occurrence loss reads every kept one (`answer_spans`).
     return fd.Example(record.line, row.astype(np.int32), question_end=1 + len(question),
-                      gold=tuple(gold), context=(head, head + keep),
+                      gold=tuple(dict.fromkeys(gold)), context=(head, head + keep),
                       offsets=None if offsets is None else offsets[:keep],
                       context_text=record.fields["context"] if by_text else None,
-                      target=target)
+                      target=kept[0] if kept else None,
+                      answer_spans=tuple(sorted(set(kept))),
+                      question_id=record.fields.get("question_id"))
+
+  @staticmethod
+  def _alias(reader, record, i: int, alias, by_text: bool, ids: np.ndarray,
+             offsets: np.ndarray | None) -> tuple[list[tuple[int, int]], Any]:
+    """([(first, last) context token of each occurrence], its gold value) of an alias."""
+    if not by_text:
+      alias_ids = reader.ids(record, "aliases", alias, what=f"element {i}")
+      n = len(alias_ids)
+      if n > len(ids):
+        return [], tuple(int(x) for x in alias_ids)
+      windows = np.lib.stride_tricks.sliding_window_view(ids, n)
+      starts = np.flatnonzero(np.all(windows == alias_ids[None, :], axis=1))
+      return [(int(a), int(a) + n - 1) for a in starts], tuple(int(x) for x in alias_ids)
+    if not isinstance(alias, str) or not alias.strip():
+      raise reader.error(record, "aliases", f"element {i} must be a non-empty string, got "
+                         f"{alias!r}"[:300])
+    pattern = re.compile(r"(?<!\w)" + re.escape(alias.strip()) + r"(?!\w)", re.IGNORECASE)
+    occurrences = []
+    for match in pattern.finditer(record.fields["context"]):
+      start, end = match.span()
+      inside = np.flatnonzero((offsets[:, 0] < end) & (offsets[:, 1] > start))
+      if len(inside):
+        occurrences.append((int(inside[0]), int(inside[-1])))
+    return occurrences, alias
 
   @staticmethod
   def _answer(reader, record, i: int, answer, by_text: bool, ids: np.ndarray,
@@ -362,14 +462,22 @@ class QuestionAnswering(Kind):
 
   def targets(self, split, examples):
     """context_mask [B, N] (where an answer may start and end); start_positions,
-    end_positions [B] (-1: no answer survived truncation)."""
+    end_positions [B] (-1: no answer survived truncation); under the all-occurrence loss also
+    answer_starts, answer_ends [B, MAX_OCCURRENCES] (-1 padded)."""
     context_BxN = np.zeros((len(examples), split.max_length), np.int32)
     for row, e in enumerate(examples):
       context_BxN[row, e.context[0]:e.context[1]] = 1
     targets = [e.target or (-1, -1) for e in examples]
-    return {"context_mask": context_BxN,
-            "start_positions": np.asarray([t[0] for t in targets], np.int32),
-            "end_positions": np.asarray([t[1] for t in targets], np.int32)}
+    out = {"context_mask": context_BxN,
+           "start_positions": np.asarray([t[0] for t in targets], np.int32),
+           "end_positions": np.asarray([t[1] for t in targets], np.int32)}
+    if self.loss_mode == "all_occurrences":
+      spans_BxAx2 = np.full((len(examples), self.MAX_OCCURRENCES, 2), -1, np.int32)
+      for row, e in enumerate(examples):
+        kept = e.answer_spans[:self.MAX_OCCURRENCES]
+        spans_BxAx2[row, :len(kept)] = np.asarray(kept, np.int32).reshape(-1, 2)
+      out.update(answer_starts=spans_BxAx2[..., 0], answer_ends=spans_BxAx2[..., 1])
+    return out
 
   def logits(self, model, batch, max_global):
     """start_logits, end_logits [B, N] (outside the context: -1e9)."""
@@ -379,8 +487,14 @@ class QuestionAnswering(Kind):
             "end_logits": jnp.where(context_BxN, _float(out.end_logits), _NEG)}
 
   def loss(self, model, batch, max_global):
-    """(start + end) / 2 per example (HF's)."""
+    """(start + end) / 2 per example: of the first surviving answer (HF's), or the
+    all-occurrence loss (`loss_mode`) averaged over the rows with an answer."""
     logits = self.logits(model, batch, max_global)
+    if self.loss_mode == "all_occurrences":
+      nll_B = all_occurrence_span_loss(logits["start_logits"], logits["end_logits"],
+                                       batch["answer_starts"], batch["answer_ends"])
+      has_B = jnp.any(batch["answer_starts"] >= 0, axis=-1)
+      return jnp.sum(nll_B) / jnp.maximum(jnp.sum(has_B), 1)
     return 0.5 * jnp.mean(_ce(logits["start_logits"], batch["start_positions"])
                           + _ce(logits["end_logits"], batch["end_positions"]))
 
@@ -391,16 +505,33 @@ class QuestionAnswering(Kind):
     return {"start": start_B, "end": end_B, "score": score_B}
 
   def score(self, split, examples, ids, outputs):
-    records, answers, golds = [], [], []
+    records, answers = [], []
     for i, e, start, end, s in zip(ids, examples, outputs["start"], outputs["end"],
                                    outputs["score"]):
       answer = span_answer(e, int(start), int(end))
       answers.append(answer)
-      golds.append(e.gold)
       first = e.context[0]
       records.append({"id": i, "prediction": answer, "answers": list(e.gold),
                       "start": int(start) - first, "end": int(end) - first, "score": float(s)})
-    return squad_scores(answers, golds, normalize=split.by_text), records
+    # One answer per question: the best-scoring span over its records (evidence documents).
+    groups: dict[Any, list[int]] = {}
+    for k, e in enumerate(examples):
+      groups.setdefault(("record", k) if e.question_id is None else ("question", e.question_id),
+                        []).append(k)
+    predictions, golds = [], []
+    for members in groups.values():
+      best = max(members, key=lambda k: records[k]["score"])  # the first on ties
+      predictions.append(answers[best])
+      golds.append(tuple(dict.fromkeys(g for k in members for g in examples[k].gold)))
+      if examples[best].question_id is not None:
+        for k in members:
+          records[k]["question_id"] = examples[k].question_id
+          records[k]["question_prediction"] = answers[best]
+    metrics = squad_scores(predictions, golds, normalize=split.by_text,
+                           normalizer=get_normalizer(self.normalizer))
+    if any(e.question_id is not None for e in examples):
+      metrics["questions"] = len(groups)
+    return metrics, records
 
   def num_labels(self, splits, source):
     """2: start and end."""
@@ -705,16 +836,17 @@ def _f1(predicted: Sequence, gold: Sequence) -> float:
   return 2 * precision * recall / (precision + recall)
 
 
-def squad_scores(predictions: Sequence, golds: Sequence[Sequence], *, normalize: bool = True
-                 ) -> dict[str, float]:
+def squad_scores(predictions: Sequence, golds: Sequence[Sequence], *, normalize: bool = True,
+                 normalizer: Callable[[str], str] = normalize_answer) -> dict[str, float]:
   """SQuAD's exact match and F1 (as TriviaQA's evaluation also takes them): per question, the
   best over its gold answers of EM (normalised strings equal) and of F1 (over the normalised
-  strings' word multisets); then the mean over questions. normalize=False compares token-id
-  tuples as they are (id records)."""
+  strings' word multisets); then the mean over questions. `normalizer`: SQuAD's
+  (`normalize_answer`) or TriviaQA's (`qa_metrics.normalize_triviaqa`). normalize=False compares
+  token-id tuples as they are (id records)."""
   if len(predictions) != len(golds) or not predictions:
     raise ValueError(f"need as many predictions as gold answer lists, at least one: got "
                      f"{len(predictions)} and {len(golds)}")
-  tokens = (lambda a: normalize_answer(a).split()) if normalize else tuple
+  tokens = (lambda a: normalizer(a).split()) if normalize else tuple
   em = f1 = 0.0
   for prediction, gold in zip(predictions, golds):
     em += max(float(tokens(prediction) == tokens(g)) for g in gold)
