@@ -21,6 +21,7 @@ from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer
 from longformer_jax.tasks import finetune as ft
+from longformer_jax.tasks import truncation
 from longformer_jax.cli.train import finetune as cli
 from testing import file_snapshot, truncate_checkpoint
 
@@ -134,9 +135,11 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   assert results["steps"] == 4 and results["checkpoint_step"] == 4
   assert results["global_attention"] == "first"
   for split in ("validation", "test"):
-    assert set(results[split]) == {"accuracy", "f1", "examples"}
+    assert set(results[split]) == {"accuracy", "f1", "examples", "truncation", "by_length"}
     assert results[split]["examples"] == 6 and 0 <= results[split]["accuracy"] <= 1
-    assert [set(p) for p in predictions[split]] == [{"id", "prediction", "label"}] * 6
+    assert results[split]["truncation"]["evidence_within_limit"] is None  # classification
+    assert [set(p) for p in predictions[split]] == [
+        {"id", "prediction", "label", "full_length", "truncated"}] * 6
     accuracy = np.mean([p["prediction"] == p["label"] for p in predictions[split]])
     assert results[split]["accuracy"] == pytest.approx(accuracy)
 
@@ -261,16 +264,33 @@ def test_more_steps_extend_a_finished_run_on_its_own_schedule(data, tmp_path, ca
 @pytest.mark.parametrize("task", ["qa", "token", "multiple_choice"])
 def test_task_end_to_end(data, tmp_path, task):
   workdir = tmp_path / task
-  assert cli.main(_command(data, task, workdir, "--steps", "2")) == 0
+  assert cli.main(_command(data, task, workdir, "--steps", "2", "--set",
+                           "length_buckets=[20]")) == 0
   results, predictions = _read_results(workdir)
   metrics = {"qa": {"exact_match", "f1"}, "token": {"accuracy", "precision", "recall", "f1"},
              "multiple_choice": {"accuracy"}}[task]
   with open(data[task, "valid"]) as f:
     records = [json.loads(line) for line in f]
   for split in ("validation", "test"):
-    assert set(results[split]) == metrics | {"examples"}
+    assert set(results[split]) == metrics | {"examples", "truncation", "by_length"}
     assert all(0 <= results[split][k] <= 1 for k in metrics)
     assert len(predictions[split]) == len(records)
+    # Every record fits the rows of 48 tokens: nothing was cut, every answer, candidate and word
+    # lies inside what was kept.
+    assert results[split]["truncation"] == {
+        "max_length": 48, "examples": len(records), "examples_truncated": 0.0,
+        "document_tokens_kept": 1.0, "evidence_within_limit": 1.0}
+    by_length = results[split]["by_length"]
+    assert set(by_length) == {"<=20", ">20"}
+    assert sum(b["examples"] for b in by_length.values()) == len(records)
+    # Bucket means recombine to the split's (tagging's metrics are over words, not examples).
+    mean_metrics = {"qa": ("exact_match", "f1"), "multiple_choice": ("accuracy",)}.get(task, ())
+    for name in mean_metrics:
+      assert truncation.recombine(by_length, name) == pytest.approx(results[split][name],
+                                                                     rel=1e-12)
+    full = [p["full_length"] for p in predictions[split]]
+    assert by_length["<=20"]["examples"] == sum(n <= 20 for n in full)
+    assert not any(p["truncated"] for p in predictions[split])
   for p, r in zip(predictions["test"], records):
     if task == "qa":  # a span of the context, at most max_answer_length tokens
       assert p["prediction"] in r["context"] and 0 <= p["end"] - p["start"] < 30

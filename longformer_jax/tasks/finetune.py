@@ -36,6 +36,7 @@ from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, tokenizer_file
+from longformer_jax.tasks import truncation
 from longformer_jax.tasks.finetune_kinds import (
     KINDS, MODEL_CLASSES, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging,
     best_spans, get_kind, macro_f1, normalize_answer, register, span_answer, squad_scores,
@@ -65,6 +66,8 @@ class FinetuneOptions:
     error). An "O" among them turns on the F1 metrics.
   roberta_positions, roberta_window: the position table and one-sided window of a Longformer
     made from a RoBERTa directory (`convert.roberta_to_longformer`).
+  length_buckets: the boundaries B of the results' "by_length" metrics: the examples needing at
+    most B tokens uncut ("<=B") and the others (">B"), for each B (evaluation only).
   """
   global_attention: str = "default"
   max_question_length: int = 128
@@ -72,6 +75,7 @@ class FinetuneOptions:
   label_names: tuple[str, ...] | None = None
   roberta_positions: int = 4096
   roberta_window: int = 256
+  length_buckets: tuple[int, ...] = (512,)
 
   def __post_init__(self):
     if self.global_attention not in fd.GLOBAL_MODES:
@@ -85,6 +89,12 @@ class FinetuneOptions:
     if self.label_names is not None and (
         not self.label_names or len(set(self.label_names)) != len(self.label_names)):
       raise ValueError(f"label_names must be distinct names, got {self.label_names!r}")
+    buckets = self.length_buckets
+    if (not isinstance(buckets, tuple) or not buckets
+        or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+        or len(set(buckets)) != len(buckets)):
+      raise ValueError(f"length_buckets must be distinct ints >= 1 (token counts, e.g. 512 or "
+                       f"512,4096), got {buckets!r}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,12 +224,53 @@ def score_splits(model: nnx.Module, splits: Mapping[str, fd.FinetuneSplit | None
                       batch_size=cfg.eval_batch_size, mesh=mesh, rules=cfg.logical_rules,
                       progress=progress)
     metrics, records = score(split, outputs)
-    results[name] = metrics
+    report = length_report(split, metrics["examples"], outputs,
+                           length_buckets=options.length_buckets)
+    results[name] = {**metrics, **report}
     files[f"predictions_{name}.jsonl"] = "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                  for r in records)
     lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in metrics.items()))
+    if "truncation" in report:
+      lines.append(f"{name}: " + _truncation_line(report["truncation"]))
   return FinalEvaluation(results, files, tuple(lines))
+
+
+def length_report(split: fd.FinetuneSplit, num: int, outputs: Mapping[str, np.ndarray], *,
+                  length_buckets: Sequence[int] = (512,)) -> dict[str, Any]:
+  """What the length limit did to the first `num` examples of `split` and the metrics by
+  length (`longformer_jax.tasks.truncation`): {"truncation": {"max_length", "examples",
+  "examples_truncated", "document_tokens_kept", "evidence_within_limit"}, "by_length": {"<=B":
+  {metrics..., "examples"}, ">B": {...}} for each B of `length_buckets`}. The kind's metrics are
+  computed anew on each bucket's examples (`Kind.score`), so a corpus-level one (macro F1,
+  tagging's micro F1) is that bucket's own and does not average back to the split's. {} when
+  the kind does not record what it cut (`fd.Example.truncation`)."""
+  examples = split.examples[:num]
+  facts = [e.truncation for e in examples]
+  if not facts or any(f is None for f in facts):
+    return {}
+  block = truncation.truncation_block(
+      max_length=split.max_length, document_tokens=[f.document_tokens for f in facts],
+      kept_tokens=[f.kept_tokens for f in facts], prefix_cut=[f.prefix_cut for f in facts],
+      evidence_kept=[f.evidence for f in facts])
+  ids = split.ids[:num]
+
+  def metrics(idx: np.ndarray) -> dict[str, Any]:
+    part = {name: np.asarray(x)[idx] for name, x in outputs.items()}
+    return split.kind.score(split, [examples[i] for i in idx], [ids[i] for i in idx], part)[0]
+
+  full = [f.full_length for f in facts]
+  by_length = {}
+  for boundary in sorted(length_buckets):
+    by_length.update(truncation.by_length_with(full, boundary, metrics))
+  return {"truncation": block, "by_length": by_length}
+
+
+def _truncation_line(block: Mapping[str, Any]) -> str:
+  share = lambda x: "n/a" if x is None else f"{x:.1%}"
+  return (f"max_length {block['max_length']}: {share(block['examples_truncated'])} of examples "
+          f"cut, {share(block['document_tokens_kept'])} of document tokens kept, evidence "
+          f"within the limit in {share(block['evidence_within_limit'])}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,9 +320,14 @@ def score(split: fd.FinetuneSplit, outputs: Mapping[str, np.ndarray]
           ) -> tuple[dict[str, float], list[dict[str, Any]]]:
   """(metrics, prediction records) of `predict`'s outputs for the first examples of `split`:
   the kind's (`Kind.score`), and "examples", how many were scored. Records are JSON objects,
-  one per example, "id" first."""
+  one per example, "id" first, with "full_length" (the tokens the example needs uncut, special
+  tokens included) and "truncated" (a document or question token was cut) where the kind
+  records them (`fd.Example.truncation`)."""
   num = len(next(iter(outputs.values())))
   metrics, records = split.kind.score(split, split.examples[:num], split.ids[:num], outputs)
+  for record, e in zip(records, split.examples[:num]):
+    if e.truncation is not None:
+      record.update(full_length=e.truncation.full_length, truncated=e.truncation.truncated)
   return {**metrics, "examples": num}, records
 
 
@@ -439,7 +495,7 @@ def evaluation_only(task: str, cfg: TrainConfig, source: ModelSource | None, wor
 # model's weights or architecture nor the data it was trained on.
 EVAL_ONLY_SETTINGS = ("eval_batch_size", "mesh_shape", "logical_rules", "model.attention_impl",
                       "model.remat")
-EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length")
+EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length", "length_buckets")
 
 
 def _changes(old: Any, new: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
@@ -619,7 +675,8 @@ __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
     "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging", "best_spans",
     "eval_only_changes", "evaluate_only", "evaluation_only", "finetune_tiny", "fit_head",
-    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "load_source", "macro_f1",
+    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "length_report",
+    "load_source", "macro_f1",
     "new_run_config", "normalize_answer", "predict", "read_splits", "register", "run_settings",
     "score", "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
     "tagging_scores", "training_task",
