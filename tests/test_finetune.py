@@ -303,6 +303,41 @@ def test_task_end_to_end(data, tmp_path, task):
       assert p["prediction"] == int(np.argmax(p["scores"]))
 
 
+def test_segment_baseline_trains_saves_and_evaluates_only(data, tmp_path, capsys):
+  """A run of the segment baseline (QA: contexts of 20 tokens in segments of 16, a 3-token
+  question: 3 segments each) records its settings: --eval-only reads the checkpoint the same
+  way and reproduces its results; reading it otherwise is refused."""
+  workdir = tmp_path / "segments"
+  segments = ("--set", "baseline=segments", "--set", "segment_length=16")
+  assert cli.main(_command(data, "qa", workdir, "--steps", "2", *segments)) == 0
+  results, predictions = _read_results(workdir)
+  record = json.loads((workdir / "run_config.json").read_text())
+  assert {k: record["data"][k] for k in ("baseline", "segment_length", "segment_overlap",
+                                         "segment_pool")} == {
+      "baseline": "segments", "segment_length": 16, "segment_overlap": 0,
+      "segment_pool": "first"}
+  for split in ("validation", "test"):
+    # The segments read what the row of 48 tokens keeps: every context whole.
+    assert results[split]["truncation"]["document_tokens_kept"] == 1.0
+    assert results[split]["truncation"]["evidence_within_limit"] == 1.0
+  with open(data["qa", "valid"]) as f:
+    contexts = [json.loads(line)["context"] for line in f]
+  assert all(p["prediction"] in c for p, c in zip(predictions["test"], contexts))
+  eval_only = ["--task", "qa", "--eval-only", "--workdir", str(workdir), "--validation",
+               data["qa", "valid"], "--test", data["qa", "valid"], "--no-progress"]
+  assert cli.main(eval_only) == 0
+  again, again_predictions = _read_results(workdir, "eval_")
+  assert again["validation"] == results["validation"] and again["test"] == results["test"]
+  assert again_predictions == predictions and again["changed_settings"] == {}
+  _refused(capsys, [*eval_only, "--set", "baseline=longformer"],
+           "baseline: 'segments' -> 'longformer'")
+  _refused(capsys, [*eval_only, "--set", "segment_length=32"], "segment_length: 16 -> 32")
+  # Segments too short for the question are refused before anything runs.
+  _refused(capsys, _command(data, "qa", tmp_path / "short", "--steps", "1", "--set",
+                            "baseline=segments", "--set", "segment_length=7"),
+           "segment_length=7 leaves 0 document tokens per segment")
+
+
 _TEXT, _IDS = {"text": "w1 w2", "label": 0}, {"input_ids": [4, 5], "label": 0}
 
 

@@ -36,6 +36,7 @@ from longformer_jax import modeling
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, tokenizer_file
+from longformer_jax.tasks import finetune_segments as fs
 from longformer_jax.tasks import truncation
 from longformer_jax.tasks.finetune_kinds import (
     KINDS, MODEL_CLASSES, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging,
@@ -68,6 +69,15 @@ class FinetuneOptions:
     made from a RoBERTa directory (`convert.roberta_to_longformer`).
   length_buckets: the boundaries B of the results' "by_length" metrics: the examples needing at
     most B tokens uncut ("<=B") and the others (">B"), for each B (evaluation only).
+  baseline: "longformer" (the encoder reads each example's row whole) or "segments" (the
+    paper's segment baseline: the same kept tokens read in segments of `segment_length` tokens,
+    each a row of its own, `longformer_jax.tasks.finetune_segments`).
+  segment_length: baseline "segments": the tokens of a segment's row, special tokens and the
+    question included (at most the model's positions; 512 for a RoBERTa).
+  segment_overlap: baseline "segments": document tokens consecutive segments share (each
+    position takes its state from the segment where it is most central).
+  segment_pool: baseline "segments", classification: the first segment's `<s>` ("first") or the
+    mean of every segment's ("mean").
   """
   global_attention: str = "default"
   max_question_length: int = 128
@@ -76,6 +86,10 @@ class FinetuneOptions:
   roberta_positions: int = 4096
   roberta_window: int = 256
   length_buckets: tuple[int, ...] = (512,)
+  baseline: str = "longformer"
+  segment_length: int = 512
+  segment_overlap: int = 0
+  segment_pool: str = "first"
 
   def __post_init__(self):
     if self.global_attention not in fd.GLOBAL_MODES:
@@ -95,6 +109,33 @@ class FinetuneOptions:
         or len(set(buckets)) != len(buckets)):
       raise ValueError(f"length_buckets must be distinct ints >= 1 (token counts, e.g. 512 or "
                        f"512,4096), got {buckets!r}")
+    if self.baseline not in fs.BASELINES:
+      raise ValueError(f"baseline must be one of {fs.BASELINES}, got {self.baseline!r}")
+    if self.segment_pool not in fs.SEGMENT_POOLS:
+      raise ValueError(f"segment_pool must be one of {fs.SEGMENT_POOLS}, got "
+                       f"{self.segment_pool!r}")
+    for name, least in (("segment_length", 4), ("segment_overlap", 0)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if self.segment_overlap >= self.segment_length:
+      raise ValueError(f"segment_overlap={self.segment_overlap} must be below segment_length="
+                       f"{self.segment_length} (segments share part of their tokens)")
+
+  @property
+  def segment_settings(self) -> dict[str, Any]:
+    """The settings of the segment baseline a run records (none for the Longformer's)."""
+    if self.baseline == "longformer":
+      return {}
+    return {"baseline": self.baseline, "segment_length": self.segment_length,
+            "segment_overlap": self.segment_overlap, "segment_pool": self.segment_pool}
+
+  def reading(self, kind: Kind, global_mode: str) -> Kind | fs.SegmentReading:
+    """How the encoder reads `kind`'s examples: the kind's rows whole, or its
+    `fs.SegmentReading` (baseline "segments")."""
+    return fs.reading(kind, baseline=self.baseline, segment_length=self.segment_length,
+                      overlap=self.segment_overlap, pool=self.segment_pool,
+                      global_mode=global_mode)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,6 +171,7 @@ class FinetuneTask(Task):
     self.task, self.kind, self.train, self.validation = task, kind, train, validation
     self.global_attention = kind.resolve_global(global_attention)
     self.options = options
+    self.reading = options.reading(kind, self.global_attention)
     self.rows = [i for i, e in enumerate(train.examples) if kind.trains_on(e)]
     self.skipped = len(train) - len(self.rows)
     if not self.rows:
@@ -146,7 +188,16 @@ class FinetuneTask(Task):
     if c.causal:
       raise ValueError("fine-tuning needs a bidirectional encoder (model.causal=False)")
     n = self.train.max_length
-    if n > c.max_sequence_length:
+    if self.options.baseline == "segments":
+      # The rows the encoder reads are segments: max_length only bounds what is kept.
+      if self.options.segment_length > c.max_sequence_length:
+        raise ValueError(f"segment_length={self.options.segment_length} exceeds the model's "
+                         f"{c.max_sequence_length} positions (max_position_embeddings="
+                         f"{c.max_position_embeddings})")
+      for split in (self.train, self.validation, self.test):
+        if split is not None:
+          self.reading.check(split)
+    elif n > c.max_sequence_length:
       raise ValueError(f"max_length={n} exceeds the model's {c.max_sequence_length} positions "
                        f"(max_position_embeddings={c.max_position_embeddings})")
     for i, stage in enumerate(cfg.stages):
@@ -160,13 +211,15 @@ class FinetuneTask(Task):
         self.kind.check_labels(split, c)
 
   def data_identity(self, cfg: TrainConfig) -> dict[str, Any]:
-    """The task, the training file (SHA-256, examples), the global tokens, the tags and the
-    given `identity` (the sequence length is the stages' seq_len)."""
+    """The task, the training file (SHA-256, examples), the global tokens, the tags, the segment
+    baseline's settings (a run of the Longformer's records none) and the given `identity` (the
+    sequence length is the stages' seq_len)."""
     del cfg
     return {"task": self.task, "train_sha256": self.train.sha256,
             "train_examples": len(self.train), "global_attention": self.global_attention,
             "max_question_length": self.options.max_question_length,
-            "label_names": self.train.label_names, **self._identity}
+            "label_names": self.train.label_names, **self.options.segment_settings,
+            **self._identity}
 
   def build_model(self, config: LongformerConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
                   seq_axis: str | None = None) -> nnx.Module:
@@ -176,11 +229,12 @@ class FinetuneTask(Task):
     del stage
     # Dropout streams reseeded from the step's key: new masks every step, the same on resume.
     nnx.reseed(model, default=dropout_key)
-    return self.kind.loss(model, batch, self.max_global)
+    return self.reading.loss(model, batch, self.max_global)
 
   def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
               process_count: int) -> Batches:
-    make = functools.partial(self.kind.batch, self.train, global_attention=self.global_attention,
+    make = functools.partial(self.reading.batch, self.train,
+                             global_attention=self.global_attention,
                              specials=SpecialIds.of_config(cfg.model))
     return examples.ExampleBatches(lambda rows: make(rows=rows), self.rows,
                            global_batch_size=cfg.stages[stage_index].batch_size,
@@ -195,7 +249,7 @@ class FinetuneTask(Task):
     outputs = predict(model, self.validation, global_attention=self.global_attention,
                       max_answer_length=self.options.max_answer_length,
                       batch_size=cfg.eval_batch_size, max_examples=limit, mesh=mesh,
-                      rules=cfg.logical_rules)
+                      rules=cfg.logical_rules, options=self.options)
     metrics, _ = score(self.validation, outputs)
     return {f"valid_{k}": v for k, v in metrics.items() if k != "examples"}
 
@@ -222,7 +276,7 @@ def score_splits(model: nnx.Module, splits: Mapping[str, fd.FinetuneSplit | None
     outputs = predict(model, split, global_attention=global_attention,
                       max_answer_length=options.max_answer_length,
                       batch_size=cfg.eval_batch_size, mesh=mesh, rules=cfg.logical_rules,
-                      progress=progress)
+                      progress=progress, options=options)
     metrics, records = score(split, outputs)
     report = length_report(split, metrics["examples"], outputs,
                            length_buckets=options.length_buckets)
@@ -278,7 +332,8 @@ def _truncation_line(block: Mapping[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _outputs_fn(graphdef, kind: Kind, max_global: int, max_answer_length: int):
+def _outputs_fn(graphdef, kind: Kind | fs.SegmentReading, max_global: int,
+                max_answer_length: int):
   """One jitted forward pass per model structure and setting: evaluating every N steps reuses
   the compilation."""
 
@@ -293,23 +348,26 @@ def _outputs_fn(graphdef, kind: Kind, max_global: int, max_answer_length: int):
 def predict(model: nnx.Module, split: fd.FinetuneSplit, *, global_attention: str,
             max_answer_length: int = 30, batch_size: int = 8, max_examples: int | None = None,
             mesh: Mesh | None = None, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES,
-            progress: bool = False) -> dict[str, np.ndarray]:
+            progress: bool = False, options: FinetuneOptions | None = None
+            ) -> dict[str, np.ndarray]:
   """The model's outputs (dropout off) for the first `max_examples` examples of `split`
   (default all), one row each (`Kind.outputs`): "logits" [E, L] or [E, C] (classification,
   multiple choice), "tags" [E, N] (token), "start", "end" (row positions) and "score" [E]
-  (qa)."""
+  (qa). `options.baseline` "segments" reads them in segments (`fs.SegmentReading`, the same
+  outputs at the same row positions)."""
   model = nnx.merge(*nnx.split(model))  # a copy to switch to evaluation mode
   model.eval()
   graphdef, state = nnx.split(model)
   mode = split.kind.resolve_global(global_attention)
-  fn = _outputs_fn(graphdef, split.kind, split.max_global(mode), max_answer_length)
+  reading = (options or FinetuneOptions()).reading(split.kind, mode)
+  fn = _outputs_fn(graphdef, reading, split.max_global(mode), max_answer_length)
   num = len(split) if max_examples is None else min(max_examples, len(split))
   specials = SpecialIds.of_config(model.config)
   parts = collections.defaultdict(list)
   batches = examples.row_batches(num, batch_size, mesh)
   for rows, real in examples.progress(batches, len(batches), f"eval {split.task}", "batch",
                                      progress):
-    batch = split.kind.batch(split, rows, global_attention=mode, specials=specials)
+    batch = reading.batch(split, rows, global_attention=mode, specials=specials)
     out = fn(state, examples.put_batch(batch, mesh, rules))
     for name, x in out.items():
       parts[name].append(examples.to_host(x)[:real])
@@ -404,8 +462,12 @@ def run_settings(workdir, task: str, max_length: int | None = None,
   options = FinetuneOptions(
       global_attention=data["global_attention"],
       max_question_length=data["max_question_length"],
-      label_names=None if data["label_names"] is None else tuple(data["label_names"]))
+      label_names=None if data["label_names"] is None else tuple(data["label_names"]),
+      **{name: data[name] for name in _SEGMENT_SETTINGS if name in data})
   return cfg, options, None if path is None else load_tokenizer(path)
+
+
+_SEGMENT_SETTINGS = ("baseline", "segment_length", "segment_overlap", "segment_pool")
 
 
 def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokenizer,
