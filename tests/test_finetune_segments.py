@@ -145,6 +145,33 @@ def test_segments_are_rows_read_alone_stitched_and_summed(tmp_path):
     assert (seg_logits["logits"][i, len(e.input_ids):] == -1e9).all()
 
 
+def test_classification_pools_the_first_or_every_segments_start(tmp_path):
+  split = _split(tmp_path, "classification", _records("classification", (25,), seed=4),
+                 max_length=32)
+  kind = ft.KINDS["classification"]
+  model = _model(kind, split)
+  document = split.examples[0].input_ids[1:-1]
+  room = 10 - 2
+  starts = []
+  for s in range(-(-len(document) // room)):  # each segment's <s> state, its row read alone
+    row = np.concatenate([[_SPECIALS.bos], document[s * room:(s + 1) * room],
+                          [_SPECIALS.eos]])[None]
+    starts.append(np.asarray(model.longformer(row, np.ones_like(row), np.eye(1, row.shape[1],
+                                                                             dtype=int))
+                             .last_hidden_state[:, :1]))
+  assert len(starts) == 4
+  expected = {"first": model.classifier(starts[0]),
+              "mean": model.classifier(np.mean(starts, axis=0))}
+  for pool, want in expected.items():
+    reading = ft.FinetuneOptions(baseline="segments", segment_length=10,
+                                 segment_pool=pool).reading(kind, "first")
+    batch = reading.batch(split, [0], global_attention="first", specials=_SPECIALS)
+    np.testing.assert_allclose(reading.logits(model, batch)["logits"], want, rtol=1e-5,
+                               atol=1e-6)
+  # The two pools differ by more than the tolerance above (an untrained head: by little).
+  assert np.abs(np.asarray(expected["first"]) - np.asarray(expected["mean"])).max() > 2e-5
+
+
 def test_editing_segment_two_leaves_segment_one_alone(tmp_path):
   records = _records("qa", (40,), seed=3)
   split = _split(tmp_path, "qa", records, max_length=48)
@@ -191,6 +218,20 @@ def test_the_report_counts_as_kept_what_the_segments_read(tmp_path):
       rows = len(e.input_ids) if isinstance(e.input_ids, tuple) else 1
       assert int(row[:rows].min()) == f.kept_tokens, task
       assert int(np.asarray(layout.segments_needed).max()) > 1
+
+
+def test_segments_need_positions_for_a_segment_not_for_max_length(tmp_path):
+  split = _split(tmp_path, "qa", _records("qa", (30,)), max_length=48)
+  short = _CONFIG.replace(max_position_embeddings=34)  # 32 positions after pad_token_id + 1
+  cfg = ft.new_run_config(ft.ModelSource(short, None, None, {}), steps=1, batch_size=1,
+                          learning_rate=1e-3, max_length=48, seed=0)
+  segments16 = ft.FinetuneOptions(baseline="segments", segment_length=16)
+  ft.FinetuneTask("qa", split, global_attention="default", options=segments16).check(cfg)
+  with pytest.raises(ValueError, match="max_length=48 exceeds the model's 32 positions"):
+    ft.FinetuneTask("qa", split, global_attention="default").check(cfg)
+  segments40 = ft.FinetuneOptions(baseline="segments", segment_length=40)
+  with pytest.raises(ValueError, match="segment_length=40 exceeds the model's 32 positions"):
+    ft.FinetuneTask("qa", split, global_attention="default", options=segments40).check(cfg)
 
 
 @pytest.mark.parametrize("changes, message", [

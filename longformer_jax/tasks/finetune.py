@@ -3,13 +3,15 @@ runs, where the weights come from, the evaluation, and the run a command starts.
 `python -m train.finetune` is the command line; docs/finetune.md the guide. The kinds of task and
 their metrics are `longformer_jax.tasks.finetune_kinds` (every name of it is re-exported here).
 
-  FinetuneOptions   the settings outside `TrainConfig` (global attention, answer length, tags)
+  FinetuneOptions   the settings outside `TrainConfig` (global attention, answer length, tags,
+                    length buckets, the segment baseline: `tasks.finetune_segments`)
   FinetuneTask      the `Task`: cross-entropy of the kind's head, batches in `ExampleSampler`
                     order, validation metrics every `eval_every` steps
   load_source       the encoder to start from (HF Longformer or RoBERTa directory, project
                     checkpoint or workdir, or a preset) and `initial_params`, which puts its
                     weights into the task's model (a new head is initialised from the seed)
   predict, score    the model's outputs for a split, then its metrics and prediction records
+  length_report     what the length limit cut of a split, and its metrics by length
   new_run_config, run_settings, read_splits, fit_head, training_task, evaluate_only
                     a run from its inputs: the schedule, a workdir's settings, the splits, the
                     head's size, the task; or scores without training
