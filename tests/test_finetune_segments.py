@@ -234,6 +234,24 @@ def test_segments_need_positions_for_a_segment_not_for_max_length(tmp_path):
     ft.FinetuneTask("qa", split, global_attention="default", options=segments40).check(cfg)
 
 
+def test_evidence_beyond_the_first_segment_never_reaches_the_classifier(tmp_path):
+  """Exact, untrained: with the label's evidence only past the first segment, the segment
+  baseline's classification logits (segment_pool "first") are bit-identical whatever that
+  evidence is, so no training can do better than chance; the Longformer's, with `<s>` global,
+  change."""
+  rng = np.random.default_rng(5)
+  ids = rng.integers(10, 60, size=100).tolist()
+  records = [{"input_ids": ids, "label": 0}, {"input_ids": ids[:80] + [61] + ids[81:],
+                                              "label": 1}]
+  split = _split(tmp_path, "classification", records, max_length=128)
+  kind = ft.KINDS["classification"]
+  model = _model(kind, split)
+  (logits, _, _), (seg_logits, _, _, _) = _both(kind, model, split, 64)
+  seg = np.asarray(seg_logits["logits"])
+  np.testing.assert_array_equal(seg[0], seg[1])
+  assert not np.array_equal(np.asarray(logits["logits"])[0], np.asarray(logits["logits"])[1])
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"baseline": "roberta"}, "baseline must be one of ('longformer', 'segments')"),
     ({"segment_pool": "max"}, "segment_pool must be one of ('first', 'mean')"),

@@ -36,6 +36,7 @@ tags.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -81,12 +82,22 @@ def _heads(kind: Kind, example: fd.Example) -> int:
   return example.question_end + 2 if kind.has_question else 1
 
 
+# Each split's prefix width, computed once (a pass over every example) instead of per batch;
+# an entry leaves with its split (`weakref.finalize`), so a new split never reads a stale one.
+_PREFIX_WIDTHS: dict[int, int] = {}
+
+
 def prefix_width(kind: Kind, split: fd.FinetuneSplit) -> int:
   """Q: the longest prefix of the split's rows (0 without one): the static width every batch of
   the split is padded to, so that one program serves them all."""
   if not kind.has_question:
     return 0
-  return max((len(p) for e in split.examples for p, _ in _rows(kind, e)), default=0)
+  key = id(split)
+  if key not in _PREFIX_WIDTHS:
+    _PREFIX_WIDTHS[key] = max((len(p) for e in split.examples for p, _ in _rows(kind, e)),
+                              default=0)
+    weakref.finalize(split, _PREFIX_WIDTHS.pop, key, None)
+  return _PREFIX_WIDTHS[key]
 
 
 def document_width(kind: Kind, split: fd.FinetuneSplit) -> int:
