@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
@@ -106,6 +107,29 @@ def test_multiple_choice_block_looks_for_the_answer_in_the_kept_document(tmp_pat
                    "evidence_within_limit": 1 / 3}
   assert [f.full_length for f in facts] == [1 + 1 + 2 + 1 + 2 + 6 + 1, 1 + 1 + 2 + 1 + 2 + 12 + 1,
                                             1 + 1 + 2 + 1 + 2 + 6 + 1, 1 + 1 + 2 + 2 + 2 + 9 + 1]
+
+
+def test_multiple_choice_text_records_find_the_answer_by_its_text(tmp_path):
+  """Text records: the right candidate is looked for, case folded, in the characters the kept
+  tokens cover (a candidate tokenized alone need not match its tokens inside the text)."""
+  words = ["which", "city", "?", "paris", "rome", "Paris", "Rome"] + [f"w{i}" for i in range(9)]
+  vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>"] + words)}
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+  records = [  # rows of 16: <s> which city ? </s></s> Paris </s></s> ... </s> keep 6 words
+      {"question": "which city ?", "candidates": ["Paris", "Rome"], "text": "w1 paris w2",
+       "label": 0},
+      {"question": "which city ?", "candidates": ["Paris", "Rome"],
+       "text": "w0 w1 w2 w3 w4 w5 w6 w7 rome", "label": 1},
+      {"question": "which city ?", "candidates": ["Paris", "Rome"], "text": "w1 w2",
+       "label": 1},
+  ]
+  path = tmp_path / "mc.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  split = fd.read_split(path, ft.KINDS["multiple_choice"], tokenizer, max_length=16,
+                        specials=_SPECIALS, vocab_size=512)
+  assert [e.truncation.evidence for e in split.examples] == [True, False, None]
+  assert [e.truncation.kept_tokens for e in split.examples] == [3, 6, 2]
 
 
 def test_by_length_means_recombine_to_the_split_metric(tmp_path):
