@@ -22,6 +22,7 @@ from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, load_tokenizer
 from longformer_jax.tasks import finetune as ft
+from longformer_jax.tasks import truncation
 from longformer_jax.commands import train_finetune as cli
 from testing import file_snapshot, truncate_checkpoint
 
@@ -135,9 +136,11 @@ def test_classification_trains_resumes_and_evaluates_from_parameters(data, tmp_p
   assert results["steps"] == 4 and results["checkpoint_step"] == 4
   assert results["global_attention"] == "first"
   for split in ("validation", "test"):
-    assert set(results[split]) == {"accuracy", "f1", "examples"}
+    assert set(results[split]) == {"accuracy", "f1", "examples", "truncation", "by_length"}
     assert results[split]["examples"] == 6 and 0 <= results[split]["accuracy"] <= 1
-    assert [set(p) for p in predictions[split]] == [{"id", "prediction", "label"}] * 6
+    assert results[split]["truncation"]["evidence_within_limit"] is None  # classification
+    assert [set(p) for p in predictions[split]] == [
+        {"id", "prediction", "label", "full_length", "truncated"}] * 6
     accuracy = np.mean([p["prediction"] == p["label"] for p in predictions[split]])
     assert results[split]["accuracy"] == pytest.approx(accuracy)
 
@@ -262,16 +265,33 @@ def test_more_steps_extend_a_finished_run_on_its_own_schedule(data, tmp_path, ca
 @pytest.mark.parametrize("task", ["qa", "token", "multiple_choice"])
 def test_task_end_to_end(data, tmp_path, task):
   workdir = tmp_path / task
-  assert cli.main(_command(data, task, workdir, "--steps", "2")) == 0
+  assert cli.main(_command(data, task, workdir, "--steps", "2", "--set",
+                           "length_buckets=[20]")) == 0
   results, predictions = _read_results(workdir)
   metrics = {"qa": {"exact_match", "f1"}, "token": {"accuracy", "precision", "recall", "f1"},
              "multiple_choice": {"accuracy"}}[task]
   with open(data[task, "valid"]) as f:
     records = [json.loads(line) for line in f]
   for split in ("validation", "test"):
-    assert set(results[split]) == metrics | {"examples"}
+    assert set(results[split]) == metrics | {"examples", "truncation", "by_length"}
     assert all(0 <= results[split][k] <= 1 for k in metrics)
     assert len(predictions[split]) == len(records)
+    # Every record fits the rows of 48 tokens: nothing was cut, every answer, candidate and word
+    # lies inside what was kept.
+    assert results[split]["truncation"] == {
+        "max_length": 48, "examples": len(records), "examples_truncated": 0.0,
+        "document_tokens_kept": 1.0, "evidence_within_limit": 1.0}
+    by_length = results[split]["by_length"]
+    assert set(by_length) == {"<=20", ">20"}
+    assert sum(b["examples"] for b in by_length.values()) == len(records)
+    # Bucket means recombine to the split's (tagging's metrics are over words, not examples).
+    mean_metrics = {"qa": ("exact_match", "f1"), "multiple_choice": ("accuracy",)}.get(task, ())
+    for name in mean_metrics:
+      assert truncation.recombine(by_length, name) == pytest.approx(results[split][name],
+                                                                     rel=1e-12)
+    full = [p["full_length"] for p in predictions[split]]
+    assert by_length["<=20"]["examples"] == sum(n <= 20 for n in full)
+    assert not any(p["truncated"] for p in predictions[split])
   for p, r in zip(predictions["test"], records):
     if task == "qa":  # a span of the context, at most max_answer_length tokens
       assert p["prediction"] in r["context"] and 0 <= p["end"] - p["start"] < 30
@@ -282,6 +302,41 @@ def test_task_end_to_end(data, tmp_path, task):
     else:  # a score per candidate (2 or 3: the rows are padded to 3)
       assert len(p["scores"]) == len(r["candidates"]) and p["label"] == r["label"]
       assert p["prediction"] == int(np.argmax(p["scores"]))
+
+
+def test_segment_baseline_trains_saves_and_evaluates_only(data, tmp_path, capsys):
+  """A run of the segment baseline (QA: contexts of 20 tokens in segments of 16, a 3-token
+  question: 3 segments each) records its settings: --eval-only reads the checkpoint the same
+  way and reproduces its results; reading it otherwise is refused."""
+  workdir = tmp_path / "segments"
+  segments = ("--set", "baseline=segments", "--set", "segment_length=16")
+  assert cli.main(_command(data, "qa", workdir, "--steps", "2", *segments)) == 0
+  results, predictions = _read_results(workdir)
+  record = json.loads((workdir / "run_config.json").read_text())
+  assert {k: record["data"][k] for k in ("baseline", "segment_length", "segment_overlap",
+                                         "segment_pool")} == {
+      "baseline": "segments", "segment_length": 16, "segment_overlap": 0,
+      "segment_pool": "first"}
+  for split in ("validation", "test"):
+    # The segments read what the row of 48 tokens keeps: every context whole.
+    assert results[split]["truncation"]["document_tokens_kept"] == 1.0
+    assert results[split]["truncation"]["evidence_within_limit"] == 1.0
+  with open(data["qa", "valid"]) as f:
+    contexts = [json.loads(line)["context"] for line in f]
+  assert all(p["prediction"] in c for p, c in zip(predictions["test"], contexts))
+  eval_only = ["--task", "qa", "--eval-only", "--workdir", str(workdir), "--validation",
+               data["qa", "valid"], "--test", data["qa", "valid"], "--no-progress"]
+  assert cli.main(eval_only) == 0
+  again, again_predictions = _read_results(workdir, "eval_")
+  assert again["validation"] == results["validation"] and again["test"] == results["test"]
+  assert again_predictions == predictions and again["changed_settings"] == {}
+  _refused(capsys, [*eval_only, "--set", "baseline=longformer"],
+           "baseline: 'segments' -> 'longformer'")
+  _refused(capsys, [*eval_only, "--set", "segment_length=32"], "segment_length: 16 -> 32")
+  # Segments too short for the question are refused before anything runs.
+  _refused(capsys, _command(data, "qa", tmp_path / "short", "--steps", "1", "--set",
+                            "baseline=segments", "--set", "segment_length=7"),
+           "segment_length=7 leaves 0 document tokens per segment")
 
 
 _TEXT, _IDS = {"text": "w1 w2", "label": 0}, {"input_ids": [4, 5], "label": 0}

@@ -52,6 +52,33 @@ GLOBAL_MODES = ("default", "none", "first", "question")
 
 
 @dataclasses.dataclass(frozen=True)
+class Truncation:
+  """What the length limit cut of one record (the "truncation" report of a split's results,
+  `longformer_jax.tasks.truncation`).
+
+  full_length: the tokens the record needs uncut, special tokens included (multiple choice: its
+    longest candidate row).
+  document_tokens: its document (context) tokens uncut; kept_tokens: those the row keeps
+    (multiple choice: the fewest any candidate's row keeps).
+  prefix_cut: the question lost tokens (max_question_length or the row's room).
+  evidence: the evidence lies wholly inside what was kept (QA: an answer occurrence inside the
+    kept context; multiple choice: the answer candidate inside the kept document; tagging: the
+    first token of every word); None where the record has none (classification, a candidate
+    the document never names).
+  """
+  full_length: int
+  document_tokens: int
+  kept_tokens: int
+  prefix_cut: bool = False
+  evidence: bool | None = None
+
+  @property
+  def truncated(self) -> bool:
+    """Any document or question token was cut."""
+    return self.prefix_cut or self.kept_tokens < self.document_tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class Example:
   """One record, featurised.
 
@@ -72,6 +99,8 @@ class Example:
   question_id: qa: the question the record is evidence for (several records may share one;
     they are scored together, `QuestionAnswering.score`), else None.
   candidate_ends: multiple choice: per candidate, the first position after it.
+  truncation: what the length limit cut of the record (`Truncation`), None when the kind does
+    not record it.
   """
   line: int
   input_ids: np.ndarray | tuple[np.ndarray, ...]
@@ -87,6 +116,7 @@ class Example:
   answer_spans: tuple[tuple[int, int], ...] = ()
   question_id: Any = None
   candidate_ends: tuple[int, ...] | None = None
+  truncation: Truncation | None = None
 
   def global_lengths(self, mode: str) -> tuple[int, ...]:
     """The global prefix of each row (one row; multiple choice: one per candidate)."""
@@ -321,12 +351,16 @@ class Reader:
   def question(self, record, by_text: bool) -> np.ndarray:
     """The ids of the record's question (a string or ids, as the record), cut to
     max_question_length."""
+    return self.question_tokens(record, by_text)[0]
+
+  def question_tokens(self, record, by_text: bool) -> tuple[np.ndarray, int]:
+    """(the question's ids cut to max_question_length, its tokens uncut)."""
     q = record.fields["question"]
     if by_text != isinstance(q, str):
       raise self.error(record, "question", "must be a string in text records and a list of "
                        "token ids in input_ids records")
     ids = self.encode(record, "question", q)[0] if by_text else self.ids(record, "question", q)
-    return ids[:self.max_question_length]
+    return ids[:self.max_question_length], len(ids)
 
   def room(self, record, used: int, field: str) -> int:
     """The tokens left in a row after `used`, at least 1 (else an error on `field`)."""
@@ -404,5 +438,5 @@ def _prefix_mask(lengths: Sequence[int], n: int) -> np.ndarray:
 
 
 __all__ = ["Example", "FinetuneSplit", "GLOBAL_MODES", "IGNORE_INDEX", "MAX_LABELS", "Reader",
-           "RecordLayout", "check_dense_labels", "check_label_bound", "encoder_arrays",
-           "first_tokens", "read_split"]
+           "RecordLayout", "Truncation", "check_dense_labels", "check_label_bound",
+           "encoder_arrays", "first_tokens", "read_split"]

@@ -3,13 +3,15 @@ runs, where the weights come from, the evaluation, and the run a command starts.
 `python -m train.finetune` is the command line; docs/finetune.md the guide. The kinds of task and
 their metrics are `longformer_jax.tasks.finetune_kinds` (every name of it is re-exported here).
 
-  FinetuneOptions   the settings outside `TrainConfig` (global attention, answer length, tags)
+  FinetuneOptions   the settings outside `TrainConfig` (global attention, answer length, tags,
+                    length buckets, the segment baseline: `tasks.finetune_segments`)
   FinetuneTask      the `Task`: cross-entropy of the kind's head, batches in `ExampleSampler`
                     order, validation metrics every `eval_every` steps
   load_source       the encoder to start from (HF Longformer or RoBERTa directory, project
                     checkpoint or workdir, or a preset) and `initial_params`, which puts its
                     weights into the task's model (a new head is initialised from the seed)
   predict, score    the model's outputs for a split, then its metrics and prediction records
+  length_report     what the length limit cut of a split, and its metrics by length
   new_run_config, run_settings, read_splits, fit_head, training_task, evaluate_only
                     a run from its inputs: the schedule, a workdir's settings, the splits, the
                     head's size, the task; or scores without training
@@ -37,6 +39,8 @@ from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds, tokenizer_file
 from longformer_jax.tasks.qa_metrics import NORMALIZERS
+from longformer_jax.tasks import finetune_segments as fs
+from longformer_jax.tasks import truncation
 from longformer_jax.tasks.finetune_kinds import (
     KINDS, MODEL_CLASSES, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging,
     best_spans, get_kind, macro_f1, normalize_answer, register, span_answer, squad_scores,
@@ -73,6 +77,17 @@ class FinetuneOptions:
   qa_loss: QA: "first" (the first answer that survived truncation, HF's loss) or
     "all_occurrences" (every occurrence of every answer and alias in the kept context, the
     paper's TriviaQA loss; `QuestionAnswering`).
+  length_buckets: the boundaries B of the results' "by_length" metrics: the examples needing at
+    most B tokens uncut ("<=B") and the others (">B"), for each B (evaluation only).
+  baseline: "longformer" (the encoder reads each example's row whole) or "segments" (the
+    paper's segment baseline: the same kept tokens read in segments of `segment_length` tokens,
+    each a row of its own, `longformer_jax.tasks.finetune_segments`).
+  segment_length: baseline "segments": the tokens of a segment's row, special tokens and the
+    question included (at most the model's positions; 512 for a RoBERTa).
+  segment_overlap: baseline "segments": document tokens consecutive segments share (each
+    position takes its state from the segment where it is most central).
+  segment_pool: baseline "segments", classification: the first segment's `<s>` ("first") or the
+    mean of every segment's ("mean").
   """
   global_attention: str = "default"
   max_question_length: int = 128
@@ -82,6 +97,11 @@ class FinetuneOptions:
   roberta_window: int = 256
   qa_normalizer: str = "squad"
   qa_loss: str = "first"
+  length_buckets: tuple[int, ...] = (512,)
+  baseline: str = "longformer"
+  segment_length: int = 512
+  segment_overlap: int = 0
+  segment_pool: str = "first"
 
   def __post_init__(self):
     if self.global_attention not in fd.GLOBAL_MODES:
@@ -100,6 +120,39 @@ class FinetuneOptions:
     if self.label_names is not None and (
         not self.label_names or len(set(self.label_names)) != len(self.label_names)):
       raise ValueError(f"label_names must be distinct names, got {self.label_names!r}")
+    buckets = self.length_buckets
+    if (not isinstance(buckets, tuple) or not buckets
+        or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in buckets)
+        or len(set(buckets)) != len(buckets)):
+      raise ValueError(f"length_buckets must be distinct ints >= 1 (token counts, e.g. 512 or "
+                       f"512,4096), got {buckets!r}")
+    if self.baseline not in fs.BASELINES:
+      raise ValueError(f"baseline must be one of {fs.BASELINES}, got {self.baseline!r}")
+    if self.segment_pool not in fs.SEGMENT_POOLS:
+      raise ValueError(f"segment_pool must be one of {fs.SEGMENT_POOLS}, got "
+                       f"{self.segment_pool!r}")
+    for name, least in (("segment_length", 4), ("segment_overlap", 0)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if self.segment_overlap >= self.segment_length:
+      raise ValueError(f"segment_overlap={self.segment_overlap} must be below segment_length="
+                       f"{self.segment_length} (segments share part of their tokens)")
+
+  @property
+  def segment_settings(self) -> dict[str, Any]:
+    """The settings of the segment baseline a run records (none for the Longformer's)."""
+    if self.baseline == "longformer":
+      return {}
+    return {"baseline": self.baseline, "segment_length": self.segment_length,
+            "segment_overlap": self.segment_overlap, "segment_pool": self.segment_pool}
+
+  def reading(self, kind: Kind, global_mode: str) -> Kind | fs.SegmentReading:
+    """How the encoder reads `kind`'s examples: the kind's rows whole, or its
+    `fs.SegmentReading` (baseline "segments")."""
+    return fs.reading(kind, baseline=self.baseline, segment_length=self.segment_length,
+                      overlap=self.segment_overlap, pool=self.segment_pool,
+                      global_mode=global_mode)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -136,6 +189,7 @@ class FinetuneTask(Task):
     self.task, self.kind, self.train, self.validation = task, kind, train, validation
     self.global_attention = kind.resolve_global(global_attention)
     self.options = options
+    self.reading = options.reading(kind, self.global_attention)
     self.rows = [i for i, e in enumerate(train.examples) if kind.trains_on(e)]
     self.skipped = len(train) - len(self.rows)
     if not self.rows:
@@ -152,7 +206,16 @@ class FinetuneTask(Task):
     if c.causal:
       raise ValueError("fine-tuning needs a bidirectional encoder (model.causal=False)")
     n = self.train.max_length
-    if n > c.max_sequence_length:
+    if self.options.baseline == "segments":
+      # The rows the encoder reads are segments: max_length only bounds what is kept.
+      if self.options.segment_length > c.max_sequence_length:
+        raise ValueError(f"segment_length={self.options.segment_length} exceeds the model's "
+                         f"{c.max_sequence_length} positions (max_position_embeddings="
+                         f"{c.max_position_embeddings})")
+      for split in (self.train, self.validation, self.test):
+        if split is not None:
+          self.reading.check(split)
+    elif n > c.max_sequence_length:
       raise ValueError(f"max_length={n} exceeds the model's {c.max_sequence_length} positions "
                        f"(max_position_embeddings={c.max_position_embeddings})")
     for i, stage in enumerate(cfg.stages):
@@ -166,13 +229,15 @@ class FinetuneTask(Task):
         self.kind.check_labels(split, c)
 
   def data_identity(self, cfg: TrainConfig) -> dict[str, Any]:
-    """The task, the training file (SHA-256, examples), the global tokens, the tags and the
-    given `identity` (the sequence length is the stages' seq_len)."""
+    """The task, the training file (SHA-256, examples), the global tokens, the tags, the segment
+    baseline's settings (a run of the Longformer's records none) and the given `identity` (the
+    sequence length is the stages' seq_len)."""
     del cfg
     return {"task": self.task, "train_sha256": self.train.sha256,
             "train_examples": len(self.train), "global_attention": self.global_attention,
             "max_question_length": self.options.max_question_length,
-            "label_names": self.train.label_names, **self.kind.settings(), **self._identity}
+            "label_names": self.train.label_names, **self.kind.settings(),
+            **self.options.segment_settings, **self._identity}
 
   def build_model(self, config: LongformerConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
                   seq_axis: str | None = None) -> nnx.Module:
@@ -182,15 +247,21 @@ class FinetuneTask(Task):
     del stage
     # Dropout streams reseeded from the step's key: new masks every step, the same on resume.
     nnx.reseed(model, default=dropout_key)
-    return self.kind.loss(model, batch, self.max_global)
+    return self.reading.loss(model, batch, self.max_global)
 
   def batches(self, cfg: TrainConfig, stage_index: int, *, process_index: int,
               process_count: int) -> Batches:
-    return self.kind.training_batches(
-        self.train, self.rows, global_attention=self.global_attention,
-        specials=SpecialIds.of_config(cfg.model),
-        global_batch_size=cfg.stages[stage_index].batch_size, seed=cfg.seed + stage_index,
-        process_index=process_index, process_count=process_count)
+    sampler = dict(global_batch_size=cfg.stages[stage_index].batch_size,
+                   seed=cfg.seed + stage_index, process_index=process_index,
+                   process_count=process_count)
+    specials = SpecialIds.of_config(cfg.model)
+    if self.reading is self.kind:  # whole rows: the kind orders them (WikiHop shuffles its own)
+      return self.kind.training_batches(self.train, self.rows,
+                                        global_attention=self.global_attention,
+                                        specials=specials, **sampler)
+    make = functools.partial(self.reading.batch, self.train,
+                             global_attention=self.global_attention, specials=specials)
+    return examples.ExampleBatches(lambda rows: make(rows=rows), self.rows, **sampler)
 
   def evaluate(self, model, cfg: TrainConfig, stage_index: int, mesh: Mesh) -> dict[str, float]:
     if self.validation is None:
@@ -200,7 +271,7 @@ class FinetuneTask(Task):
     outputs = predict(model, self.validation, global_attention=self.global_attention,
                       max_answer_length=self.options.max_answer_length,
                       batch_size=cfg.eval_batch_size, max_examples=limit, mesh=mesh,
-                      rules=cfg.logical_rules)
+                      rules=cfg.logical_rules, options=self.options)
     metrics, _ = score(self.validation, outputs)
     return {f"valid_{k}": v for k, v in metrics.items() if k not in ("examples", "questions")}
 
@@ -227,14 +298,55 @@ def score_splits(model: nnx.Module, splits: Mapping[str, fd.FinetuneSplit | None
     outputs = predict(model, split, global_attention=global_attention,
                       max_answer_length=options.max_answer_length,
                       batch_size=cfg.eval_batch_size, mesh=mesh, rules=cfg.logical_rules,
-                      progress=progress)
+                      progress=progress, options=options)
     metrics, records = score(split, outputs)
-    results[name] = metrics
+    report = length_report(split, metrics["examples"], outputs,
+                           length_buckets=options.length_buckets)
+    results[name] = {**metrics, **report}
     files[f"predictions_{name}.jsonl"] = "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                  for r in records)
     lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in metrics.items()))
+    if "truncation" in report:
+      lines.append(f"{name}: " + _truncation_line(report["truncation"]))
   return FinalEvaluation(results, files, tuple(lines))
+
+
+def length_report(split: fd.FinetuneSplit, num: int, outputs: Mapping[str, np.ndarray], *,
+                  length_buckets: Sequence[int] = (512,)) -> dict[str, Any]:
+  """What the length limit did to the first `num` examples of `split` and the metrics by
+  length (`longformer_jax.tasks.truncation`): {"truncation": {"max_length", "examples",
+  "examples_truncated", "document_tokens_kept", "evidence_within_limit"}, "by_length": {"<=B":
+  {metrics..., "examples"}, ">B": {...}} for each B of `length_buckets`}. The kind's metrics are
+  computed anew on each bucket's examples (`Kind.score`), so a corpus-level one (macro F1,
+  tagging's micro F1) is that bucket's own and does not average back to the split's. {} when
+  the kind does not record what it cut (`fd.Example.truncation`)."""
+  examples = split.examples[:num]
+  facts = [e.truncation for e in examples]
+  if not facts or any(f is None for f in facts):
+    return {}
+  block = truncation.truncation_block(
+      max_length=split.max_length, document_tokens=[f.document_tokens for f in facts],
+      kept_tokens=[f.kept_tokens for f in facts], prefix_cut=[f.prefix_cut for f in facts],
+      evidence_kept=[f.evidence for f in facts])
+  ids = split.ids[:num]
+
+  def metrics(idx: np.ndarray) -> dict[str, Any]:
+    part = {name: np.asarray(x)[idx] for name, x in outputs.items()}
+    return split.kind.score(split, [examples[i] for i in idx], [ids[i] for i in idx], part)[0]
+
+  full = [f.full_length for f in facts]
+  by_length = {}
+  for boundary in sorted(length_buckets):
+    by_length.update(truncation.by_length_with(full, boundary, metrics))
+  return {"truncation": block, "by_length": by_length}
+
+
+def _truncation_line(block: Mapping[str, Any]) -> str:
+  share = lambda x: "n/a" if x is None else f"{x:.1%}"
+  return (f"max_length {block['max_length']}: {share(block['examples_truncated'])} of examples "
+          f"cut, {share(block['document_tokens_kept'])} of document tokens kept, evidence "
+          f"within the limit in {share(block['evidence_within_limit'])}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -242,7 +354,8 @@ def score_splits(model: nnx.Module, splits: Mapping[str, fd.FinetuneSplit | None
 
 
 @functools.lru_cache(maxsize=16)
-def _outputs_fn(graphdef, kind: Kind, max_global: int, max_answer_length: int):
+def _outputs_fn(graphdef, kind: Kind | fs.SegmentReading, max_global: int,
+                max_answer_length: int):
   """One jitted forward pass per model structure and setting: evaluating every N steps reuses
   the compilation."""
 
@@ -257,23 +370,26 @@ def _outputs_fn(graphdef, kind: Kind, max_global: int, max_answer_length: int):
 def predict(model: nnx.Module, split: fd.FinetuneSplit, *, global_attention: str,
             max_answer_length: int = 30, batch_size: int = 8, max_examples: int | None = None,
             mesh: Mesh | None = None, rules: Sequence[tuple[str, Any]] = LOGICAL_RULES,
-            progress: bool = False) -> dict[str, np.ndarray]:
+            progress: bool = False, options: FinetuneOptions | None = None
+            ) -> dict[str, np.ndarray]:
   """The model's outputs (dropout off) for the first `max_examples` examples of `split`
   (default all), one row each (`Kind.outputs`): "logits" [E, L] or [E, C] (classification,
   multiple choice), "tags" [E, N] (token), "start", "end" (row positions) and "score" [E]
-  (qa)."""
+  (qa). `options.baseline` "segments" reads them in segments (`fs.SegmentReading`, the same
+  outputs at the same row positions)."""
   model = nnx.merge(*nnx.split(model))  # a copy to switch to evaluation mode
   model.eval()
   graphdef, state = nnx.split(model)
   mode = split.kind.resolve_global(global_attention)
-  fn = _outputs_fn(graphdef, split.kind, split.max_global(mode), max_answer_length)
+  reading = (options or FinetuneOptions()).reading(split.kind, mode)
+  fn = _outputs_fn(graphdef, reading, split.max_global(mode), max_answer_length)
   num = len(split) if max_examples is None else min(max_examples, len(split))
   specials = SpecialIds.of_config(model.config)
   parts = collections.defaultdict(list)
   batches = examples.row_batches(num, batch_size, mesh)
   for rows, real in examples.progress(batches, len(batches), f"eval {split.task}", "batch",
                                      progress):
-    batch = split.kind.batch(split, rows, global_attention=mode, specials=specials)
+    batch = reading.batch(split, rows, global_attention=mode, specials=specials)
     out = fn(state, examples.put_batch(batch, mesh, rules))
     for name, x in out.items():
       parts[name].append(examples.to_host(x)[:real])
@@ -284,9 +400,14 @@ def score(split: fd.FinetuneSplit, outputs: Mapping[str, np.ndarray]
           ) -> tuple[dict[str, float], list[dict[str, Any]]]:
   """(metrics, prediction records) of `predict`'s outputs for the first examples of `split`:
   the kind's (`Kind.score`), and "examples", how many were scored. Records are JSON objects,
-  one per example, "id" first."""
+  one per example, "id" first, with "full_length" (the tokens the example needs uncut, special
+  tokens included) and "truncated" (a document or question token was cut) where the kind
+  records them (`fd.Example.truncation`)."""
   num = len(next(iter(outputs.values())))
   metrics, records = split.kind.score(split, split.examples[:num], split.ids[:num], outputs)
+  for record, e in zip(records, split.examples[:num]):
+    if e.truncation is not None:
+      record.update(full_length=e.truncation.full_length, truncated=e.truncation.truncated)
   return {**metrics, "examples": num}, records
 
 
@@ -364,9 +485,13 @@ def run_settings(workdir, task: str, max_length: int | None = None,
       global_attention=data["global_attention"],
       max_question_length=data["max_question_length"],
       label_names=None if data["label_names"] is None else tuple(data["label_names"]),
-      # A kind's settings are in the record when they differ from the defaults.
-      **{k: data[k] for k in KIND_SETTINGS if k in data})
+      # A kind's settings and the segment baseline's are in the record when they differ
+      # from the defaults.
+      **{k: data[k] for k in KIND_SETTINGS + _SEGMENT_SETTINGS if k in data})
   return cfg, options, None if path is None else load_tokenizer(path)
+
+
+_SEGMENT_SETTINGS = ("baseline", "segment_length", "segment_overlap", "segment_pool")
 
 
 def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokenizer,
@@ -459,7 +584,7 @@ def evaluation_only(task: str, cfg: TrainConfig, source: ModelSource | None, wor
 # model's weights or architecture nor the data it was trained on.
 EVAL_ONLY_SETTINGS = ("eval_batch_size", "mesh_shape", "logical_rules", "model.attention_impl",
                       "model.remat")
-EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length", "qa_normalizer")
+EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length", "qa_normalizer", "length_buckets")
 # The options a kind reads (`Kind.configured`), recorded in a run's identity when not the default.
 KIND_SETTINGS = ("qa_normalizer", "qa_loss")
 
@@ -654,8 +779,8 @@ __all__ = [
     "Classification", "FinetuneOptions", "FinetuneTask", "KINDS", "Kind", "MODEL_CLASSES",
     "ModelSource", "MultipleChoice", "QuestionAnswering", "TOKENIZER_FILE", "Tagging", "best_spans",
     "eval_only_changes", "evaluate_only", "evaluation_only", "fit_head",
-    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "kind_params", "load_source",
-    "macro_f1",
+    "get_kind", "initial_model", "initial_params", "keep_tokenizer", "kind_params",
+    "length_report", "load_source", "macro_f1",
     "new_run_config", "normalize_answer", "predict", "read_splits", "register", "run_settings",
     "score", "score_splits", "span_answer", "squad_scores", "started_warmup", "starting_params",
     "tagging_scores", "training_task",

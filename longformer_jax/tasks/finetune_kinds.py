@@ -277,9 +277,10 @@ class Classification(Kind):
   def featurise(self, reader, record, by_text):
     s = reader.specials
     ids, _ = reader.content(record, by_text)
-    ids = ids[:reader.max_length - 2]
-    row = np.concatenate([[s.bos], ids, [s.eos]]).astype(np.int32)
-    return fd.Example(record.line, row, label=reader.label(record, "label"))
+    kept = ids[:reader.max_length - 2]
+    row = np.concatenate([[s.bos], kept, [s.eos]]).astype(np.int32)
+    return fd.Example(record.line, row, label=reader.label(record, "label"),
+                      truncation=fd.Truncation(len(ids) + 2, len(ids), len(kept)))
 
   def targets(self, split, examples):
     """labels [B]."""
@@ -368,7 +369,7 @@ class QuestionAnswering(Kind):
 
   def featurise(self, reader, record, by_text):
     s = reader.specials
-    question = reader.question(record, by_text)
+    question, question_tokens = reader.question_tokens(record, by_text)
     ids, offsets = reader.content(record, by_text, "context")
     answers, aliases = record.fields.get("answers"), record.fields.get("aliases")
     if answers is None and aliases is None:
@@ -400,7 +401,10 @@ class QuestionAnswering(Kind):
                       context_text=record.fields["context"] if by_text else None,
                       target=kept[0] if kept else None,
                       answer_spans=tuple(sorted(set(kept))),
-                      question_id=record.fields.get("question_id"))
+                      question_id=record.fields.get("question_id"),
+                      truncation=fd.Truncation(
+                          1 + question_tokens + 2 + len(ids) + 1, len(ids), keep,
+                          prefix_cut=question_tokens > len(question), evidence=bool(kept)))
 
   @staticmethod
   def _alias(reader, record, i: int, alias, by_text: bool, ids: np.ndarray,
@@ -595,7 +599,9 @@ class Tagging(Kind):
     token_labels = np.full(len(row), fd.IGNORE_INDEX, np.int32)
     token_labels[words[words >= 0]] = np.asarray(label_ids, np.int32)[words >= 0]
     return fd.Example(record.line, row, token_labels=token_labels, words=words,
-                      gold=tuple(names[i] for i in label_ids))
+                      gold=tuple(names[i] for i in label_ids), truncation=fd.Truncation(
+                          len(ids) + 2, len(ids), min(len(ids), keep),
+                          evidence=not bool(np.any(first >= keep))))
 
   def split_fields(self, records, examples, label_names):
     return {"label_names": label_names,
@@ -691,13 +697,13 @@ class MultipleChoice(Kind):
 
   def featurise(self, reader, record, by_text):
     s = reader.specials
-    question = reader.question(record, by_text)
-    document, _ = reader.content(record, by_text)
+    question, question_tokens = reader.question_tokens(record, by_text)
+    document, offsets = reader.content(record, by_text)
     candidates = record.fields["candidates"]
     if len(candidates) < 2:
       raise reader.error(record, "candidates", f"needs at least 2 candidates, got "
                          f"{len(candidates)}")
-    rows, ends = [], []
+    rows, ends, keeps, needs = [], [], [], []
     for i, candidate in enumerate(candidates):
       if by_text:
         if not isinstance(candidate, str) or not candidate.strip():
@@ -712,9 +718,15 @@ class MultipleChoice(Kind):
       rows.append(np.concatenate([head, [s.sep, s.sep], document[:keep], [s.eos]])
                   .astype(np.int32))
       ends.append(len(head))
-    return fd.Example(record.line, tuple(rows), question_end=1 + len(question),
-                      label=reader.label(record, "label", below=len(candidates)),
-                      candidate_ends=tuple(ends))
+      keeps.append(min(keep, len(document)))
+      needs.append(len(head) - len(question) + question_tokens + 3 + len(document))
+    label = reader.label(record, "label", below=len(candidates))
+    evidence = _named_in(candidates[label], document, offsets,
+                         record.fields["text"] if by_text else None, keeps[label])
+    return fd.Example(record.line, tuple(rows), question_end=1 + len(question), label=label,
+                      candidate_ends=tuple(ends), truncation=fd.Truncation(
+                          max(needs), len(document), min(keeps),
+                          prefix_cut=question_tokens > len(question), evidence=evidence))
 
   def split_fields(self, records, examples, label_names):
     return {"num_choices": max(len(e.input_ids) for e in examples)}
@@ -756,6 +768,26 @@ class MultipleChoice(Kind):
   def num_labels(self, splits, source):
     """One logit per candidate: the config's value is kept (unused)."""
     return source.config.num_labels
+
+
+def _named_in(candidate, document: np.ndarray, offsets: np.ndarray | None,
+              content: str | None, keep: int) -> bool | None:
+  """Whether the document's first `keep` tokens name the candidate (multiple choice's evidence):
+  a text record's candidate is looked for in the text those tokens cover (case folded: a
+  candidate tokenized alone need not match its tokens inside the text), an id record's as a run
+  of its ids. None when the whole document never names it (no evidence to keep)."""
+  if content is not None:
+    where = content.casefold().find(candidate.strip().casefold())
+    if where < 0:
+      return None
+    return keep > 0 and where + len(candidate.strip()) <= int(offsets[keep - 1, 1])
+  run = np.asarray(candidate)
+  windows = np.lib.stride_tricks.sliding_window_view(document, len(run)) if len(
+      document) >= len(run) else np.zeros((0, len(run)), document.dtype)
+  found = np.flatnonzero((windows == run[None, :]).all(axis=1))
+  if not len(found):
+    return None
+  return bool(found[0] + len(run) <= keep)
 
 
 def best_spans(start_BxN: jax.Array, end_BxN: jax.Array, max_answer_length: int

@@ -13,7 +13,9 @@
     the kept supports; tagging: every word kept); None where a task has no evidence
     (classification).
 
-Under the segment baseline "kept" is what the segments read (`segments.reading_stats`).
+Under the segment baseline "kept" is what the segments read (`segments.reading_stats`); a
+fine-tuning run's segments read what a row of its max_length keeps
+(`longformer_jax.tasks.finetune_segments`), so its block is the Longformer run's.
 
 `by_length` splits per-example metric values by the tokens an example needs uncut (its full
 length): `{"<=B": {metric: mean, ..., "examples": n}, ">B": {...}}`. A metric that is a mean of
@@ -52,8 +54,8 @@ def truncation_block(*, max_length: int, document_tokens: Sequence[int],
   """The split's "truncation" record (module docstring) from per-example facts.
 
   Args:
-    max_length: the row length the split was read with (the segment length under the segment
-      baseline).
+    max_length: the length limit the split was read with (a fine-tuning run's max_length,
+      under the segment baseline too: its segments read what that row keeps).
     document_tokens: each example's document (context) tokens uncut.
     kept_tokens: each example's document tokens kept (<= document_tokens).
     prefix_cut: each example's question (prefix) lost tokens; default none did.
