@@ -78,7 +78,8 @@ def _print_config_argv(command: str, tmp_path: Path) -> list[str]:
       "longformer-train-mlm": ["--data", "text8_sample"],  # the default preset
       "longformer-train-finetune": ["--task", "classification", "--model", "tiny", "--train",
                                     str(records), "--max-length", "16", "--steps", "7",
-                                    "--set", "global_attention=none"],
+                                    "--set", "global_attention=none", "--baseline", "segments",
+                                    "--length-buckets", "4", "8"],
       "longformer-train-seq2seq": None,
       "longformer-eval-bpc": [],
       "longformer-eval-mlm": [],
@@ -103,6 +104,9 @@ def test_print_config_prints_the_settings_and_writes_nothing(command, capsys, tm
   elif command == "longformer-train-finetune":  # the task's options beside the TrainConfig
     assert printed["options"]["global_attention"] == "none"
     assert printed["settings"]["options"]["global_attention"] == "none"
+    # Flags of the nested options: --baseline is options.baseline.
+    assert printed["options"]["baseline"] == "segments"
+    assert printed["options"]["length_buckets"] == [4, 8]
     assert printed["config"]["stages"][0]["seq_len"] == 16
     assert printed["config"]["model"]["num_labels"] == 2
   else:

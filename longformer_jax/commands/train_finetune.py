@@ -84,6 +84,13 @@ FLAGS = {
     "steps": "optimizer steps", "batch_size": "records per step (global)",
     "learning_rate": "peak learning rate",
     "seed": "batch order, dropout, the new head, fresh weights of a preset",
+    "options.baseline": "longformer (rows read whole) or segments (the paper's RoBERTa "
+                        "baseline: the kept tokens read in independent segments)",
+    "options.segment_length": "with --baseline segments: tokens per segment row (default 512)",
+    "options.segment_overlap": "with --baseline segments: document tokens segments share",
+    "options.segment_pool": "with --baseline segments, classification: first (the first "
+                            "segment's <s>) or mean",
+    "options.length_buckets": "the results' by_length boundaries, e.g. 512 4096 (default 512)",
 }
 
 
