@@ -2,13 +2,13 @@
 final evaluation, on the engine of `longformer_jax.training` (the `Task` contract).
 
   charlm     CharLMTask: the character-level LM (paper §4), its bits-per-character evaluation
-             and presets
-  mlm        MLMTask: continued masked-LM pretraining (paper §5), its evaluation and presets
-  finetune   FinetuneTask: classification, QA, tagging, multiple choice (paper §6), the run a
-             command builds, presets; finetune_kinds: the kinds of task and their metrics
-  seq2seq    Seq2SeqTask: LED on (source, target) pairs, ROUGE of generated outputs (paper §6),
-             presets
-  runs       a trained run's model, whatever its task (what eval.export serves)
+             and its configs (char_tiny, char_small, char_large)
+  mlm        MLMTask: continued masked-LM pretraining (paper §5), its evaluation and configs
+  finetune   FinetuneTask: classification, QA, tagging, multiple choice, WikiHop (paper §6), the
+             run a command builds; finetune_kinds: the kinds of task and their metrics;
+             finetune_segments: the segment baseline; truncation: what a length limit cut
+  seq2seq    Seq2SeqTask: LED on (source, target) pairs, ROUGE of generated outputs (paper §6)
+  runs       what kind of run a workdir holds; trained: a trained run's model (eval.export)
 """
 
 from longformer_jax.tasks.charlm import CharLMTask
