@@ -93,7 +93,7 @@ def _public_callables():
 
 def test_gadget_only_the_allow_list_loads(saved_model, tmp_path):
   """Before: model.json could name any class or function of the package (and call it with its
-  JSON: `cli.driver:load_config` ran a Python file shipped in the directory). After: every one
+  JSON: `cli.settings:load_config` ran a Python file shipped in the directory). After: every one
   of them is refused as model_class and as config_class, with the seal recomputed; only the
   allow-list's entries resolve."""
   callables = _public_callables()

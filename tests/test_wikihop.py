@@ -15,7 +15,7 @@ from flax import nnx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from longformer_jax import checkpoint, modeling
-from longformer_jax.cli.train import finetune as cli
+from longformer_jax.commands import train_finetune as cli
 from longformer_jax.config import LongformerConfig
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
