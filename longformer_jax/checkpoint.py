@@ -387,22 +387,40 @@ def _restore_item(what: str, item_dir: epath.Path, target: Any) -> Any:
 
 
 def _check_readable(item_dir: epath.Path) -> None:
-  """Reads every value of a local OCDBT item, one at a time, through TensorStore's own key-value
-  store, before Orbax reads it.
+  """Reads and decodes every array of a local OCDBT item, one array at a time, through
+  TensorStore itself, before Orbax reads it.
 
   Why (the cause of the stray tracebacks described above, for reads): Orbax reads an item's
   arrays concurrently on an event loop of its own and closes that loop at the first failure,
   while the other reads are still in flight; their completion callbacks then find the loop closed
-  and print "Event loop is closed" at some later point of the program. A truncated or missing
-  data file is found here instead, by one synchronous read at a time, so nothing is left in
-  flight. The values are read twice (the second time from the page cache); altered contents are
-  caught after the restore by the checksums. Remote paths are left to Orbax."""
+  and print "Event loop is closed" at some later point of the program. A truncated, missing or
+  undecodable data file is found here instead, by one synchronous read at a time, so nothing is
+  left in flight. The arrays are decoded, not only their stored values read: OCDBT reads a value
+  whose data file is missing as an empty value, which only the decoder refuses (an empty
+  compressed chunk). The values are read twice (the second time from the page cache); altered
+  contents that still decode are caught after the restore by the checksums. Remote paths are
+  left to Orbax."""
   if "://" in str(item_dir) or not (item_dir / "manifest.ocdbt").exists():
     return
   import tensorstore as ts
-  store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{item_dir}/"}).result()
-  for key in store.list().result():
-    store.read(key).result()
+  context = ts.Context()  # one cache of the database's index for all of the item's arrays
+  base = {"driver": "ocdbt", "base": f"file://{item_dir}/"}
+  store = ts.KvStore.open(base, context=context).result()
+  keys = [key.decode() for key in store.list().result()]
+  # Each array is a prefix with its metadata key: zarr (v2) `.zarray` or zarr v3 `zarr.json`.
+  arrays = {key[:-len(name)]: driver for key in keys
+            for name, driver in _ARRAY_METADATA.items() if key.endswith("/" + name)}
+  for prefix, driver in arrays.items():
+    array = ts.open({"driver": driver, "kvstore": {**base, "path": prefix},
+                     "fill_missing_data_reads": False}, context=context, open=True).result()
+    array.read().result()
+  for key in keys:  # any value outside the arrays, as Orbax would read it: its bytes
+    if not any(key.startswith(prefix) for prefix in arrays):
+      store.read(key).result()
+
+
+# The metadata key of an array in an item's store -> the TensorStore driver that decodes it.
+_ARRAY_METADATA = {".zarray": "zarr", "zarr.json": "zarr3"}
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from longformer_jax.causal_lm import LongformerForCausalLM
 from longformer_jax.config import CharLMConfig, LongformerConfig
 from longformer_jax.tasks.charlm import CharLMTask, evaluate_bpc, evaluate_run
 from longformer_jax.training import Trainer, read_run_config
+from testing import largest_chunk, truncate_checkpoint
 
 # slow: in-process, but most of the cost is training runs, command lines and subprocesses.
 pytestmark = [pytest.mark.unit, pytest.mark.slow]
@@ -137,6 +138,32 @@ def test_load_params_of_a_model_checkpoint(tmp_path):
                       nnx.state(model, nnx.Param))
   with pytest.raises(FileNotFoundError, match="no checkpoint under"):
     checkpoint.load_params(tmp_path / "nothing", abstract)
+
+
+@pytest.mark.parametrize("damage", ["delete", "truncate", "empty"])
+def test_a_damaged_data_file_is_found_before_orbax_reads(tmp_path, monkeypatch, capsys, damage):
+  """A missing, cut or emptied data file is found by the sequential check, so Orbax's
+  concurrent read (which would leave reads in flight when one fails) never starts. OCDBT reads a
+  value whose data file is missing as an empty value: only decoding the arrays finds it."""
+  model = LongformerForCausalLM(CHAR_MODEL, rngs=nnx.Rngs(0))
+  checkpoint.save_model(tmp_path / "ckpt", model)
+  chunk = largest_chunk(tmp_path / "ckpt" / "params")
+  if damage == "delete":
+    chunk.unlink()
+  elif damage == "truncate":
+    truncate_checkpoint(tmp_path / "ckpt" / "params")
+  else:
+    chunk.write_bytes(b"")
+  orbax_reads = []
+  restore = checkpoint.ocp.StandardCheckpointer.restore
+  monkeypatch.setattr(checkpoint.ocp.StandardCheckpointer, "restore",
+                      lambda self, *a, **k: orbax_reads.append(a) or restore(self, *a, **k))
+  monkeypatch.setattr(sys, "unraisablehook", sys.__unraisablehook__)  # writes to stderr
+  with pytest.raises(checkpoint.DamagedCheckpointError, match="/params: "):
+    checkpoint.load_model(tmp_path / "ckpt")
+  assert orbax_reads == []
+  gc.collect()
+  assert capsys.readouterr().err == ""
 
 
 def test_a_failed_read_leaves_nothing_behind_and_the_callers_futures_alone(tmp_path, monkeypatch,

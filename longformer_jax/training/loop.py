@@ -5,9 +5,9 @@ The loop in one paragraph (`train`):
      names and `TrainConfig.logical_rules`; the batch is split over data and fsdp, the length of
      [batch, length] arrays over seq; the task builds its model with the mesh, so the attention
      op runs per shard (and sequence-parallel when seq > 1).
-  2. Resume: the run's settings (`training.identity`) are checked against those saved with the
-     newest checkpoint under `<workdir>/checkpoints` that restores and verifies (damaged ones
-     are skipped with a warning), before anything is written; its train state (float32
+  2. Resume (`_resume`): the run's settings (`training.identity`) are checked against those saved
+     with the newest checkpoint under `<workdir>/checkpoints` that restores and verifies (damaged
+     ones are skipped with a warning), before anything is written; its train state (float32
      params and optimizer state, restored straight into their shardings; the step) and metadata
      (stage, the stage's batch iterator state) continue the run. A stage whose length changed
      keeps the learning rates of the steps it took (`schedule.continued_stages`). Without a
@@ -21,20 +21,20 @@ The loop in one paragraph (`train`):
   3. For each stage from the current one: the task's batch iterator for the stage, moved to the
      stage-local step (`load_state`); one jit-compiled step per stage (sequence length and
      windows are static shapes); the state is donated.
-  4. Every step: the loss reaches the host (progress bar, JSONL, step_hook) late: the host
-     dispatches step t+1 before it reads step t's metrics (`read_every` steps at a time), so
-     the device never waits for the host between steps; a step whose state the host needs, an
-     evaluation, a checkpoint or SIGTERM, is read at once. A non-finite loss or gradient norm
-     stops the run before anything is saved (`NonFiniteLossError`). The task's validation
-     metrics every `eval_every` steps and at the end. Checkpoints every `checkpoint_every`
-     steps, at stage ends and at the end, asynchronously, each only after a health check
-     (`Trainer.health`: the new parameters' loss and gradient on the step's batch are finite,
-     and so is the whole state), so the newest checkpoint is always one the run can go on
-     from. A background save that failed stops the run at the next read
+  4. Every step (`_Loop`): the loss reaches the host (`_MetricsReader`: progress bar, JSONL,
+     step_hook) late: the host dispatches step t+1 before it reads step t's metrics (`read_every`
+     steps at a time), so the device never waits for the host between steps; a step whose state
+     the host needs, an evaluation, a checkpoint or SIGTERM, is read at once. A non-finite loss
+     or gradient norm stops the run before anything is saved (`NonFiniteLossError`). The task's
+     validation metrics every `eval_every` steps and at the end. Checkpoints every
+     `checkpoint_every` steps, at stage ends and at the end, asynchronously (`_Saver`), each only
+     after a health check (`Trainer.health`: the new parameters' loss and gradient on the step's
+     batch are finite, and so is the whole state), so the newest checkpoint is always one the run
+     can go on from. A background save that failed stops the run at the next read
      (`checkpoint.CheckpointSaveError`). SIGTERM (a preempted TPU VM) saves and returns. With
-     several processes all of them save and return after the same step, whichever of them got
-     the signal, agreed on host to host (JAX's preemption sync point), not by a collective
-     every step (`_Preemption`).
+     several processes all of them save and return after the same step, whichever of them got the
+     signal, agreed on host to host (JAX's preemption sync point), not by a collective every step
+     (`_Preemption`).
 
 Everything random is a function of (seed, step): initialisation, the batches (the task's
 iterators are) and the dropout keys (`fold_in(seed, step)`, then `fold_in(., microbatch)`), so a
@@ -503,6 +503,302 @@ def _sync_processes(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
+@dataclasses.dataclass
+class _Start:
+  """What a run goes on from (`_resume`)."""
+  cfg: TrainConfig         # with the stages' step changes of a resumed run (`continued_stages`)
+  trainer: Trainer
+  record: dict[str, Any]   # the run's settings: run_config.json and every checkpoint's "run"
+  state: TrainState
+  step: int
+  meta: dict[str, Any] | None  # the resumed checkpoint's metadata; None: a new run
+  accepted: list[str]      # the settings changes accepted on resume
+  damaged: list[int]       # the checkpoints newer than `step`, which did not restore
+  failed_start: bool       # run_config.json is a failed start's, replaced by this run's
+
+
+class _ResumeCheck:
+  """`check_meta` of the restore: refuses a checkpoint whose settings differ before its arrays
+  are read, and keeps, of the one that passed last (the one restored), what was accepted and
+  the continued stages."""
+
+  def __init__(self, cfg: TrainConfig, record: dict[str, Any], allow: Sequence[str],
+               where: str):
+    self.cfg = self._requested = cfg
+    self._record, self._allow, self._where = record, allow, where
+    self.accepted: list[str] = []
+
+  def __call__(self, meta: dict[str, Any]) -> None:
+    self.accepted = identity.check_resume(meta["run"], self._record, step=meta["step"],
+                                          allow=self._allow, where=self._where)
+    self.cfg = continued_stages(self._requested, meta["run"], meta["step"])
+
+
+def _resume(cfg: TrainConfig, workdir: epath.Path, task: Task, trainer: Trainer,
+            allow_changes: Sequence[str], init_params: Callable[[], Any] | None) -> _Start:
+  """The run's identity and state, before anything is written: the settings are those of the
+  checkpoint resumed from. A run that never saved has none: nothing of it is kept."""
+  data_identity = task.data_identity(cfg)
+  record = {**config_record(cfg), "data": data_identity}
+  checkpoints_dir = workdir / checkpoint.CHECKPOINTS
+  steps = checkpoint.checkpoint_steps(checkpoints_dir)
+  if not steps:
+    failed_start = ((workdir / RUN_CONFIG).exists()
+                    and _stored_record(workdir) != json.loads(json.dumps(record)))
+    state = trainer.init_state(None if init_params is None else init_params())
+    return _Start(cfg, trainer, record, state, 0, None, [], [], failed_start)
+  check_run_record(workdir)  # an edited run_config.json: refused before anything is read
+  check = _ResumeCheck(cfg, record, allow_changes, where=f" {workdir}")
+  state, meta = trainer.restore(checkpoints_dir, check_meta=check)
+  step = int(meta["step"])
+  if check.cfg != cfg:  # the stages carry the run's step changes: the schedule differs
+    cfg = check.cfg
+    trainer = Trainer(cfg, trainer.mesh, task=task)
+    record = {**config_record(cfg), "data": data_identity}
+  return _Start(cfg, trainer, record, state, step, meta, check.accepted,
+                [s for s in steps if s > step], False)
+
+
+def _announce(start: _Start, workdir: epath.Path) -> None:
+  """Process 0: says how the run starts and writes run_config.json (when the run starts, never
+  rewritten once the run has a checkpoint)."""
+  if start.meta is not None:
+    print(f"resumed from step {start.step} (stage {start.meta['stage']}) in "
+          f"{workdir / checkpoint.CHECKPOINTS}")
+  if start.accepted:
+    print(f"settings changed on resume: {'; '.join(start.accepted)}")
+  if start.failed_start:
+    print(f"warning: {workdir / RUN_CONFIG} is the record of a run that saved no checkpoint "
+          "(a failed start); replaced by this run's settings", file=sys.stderr, flush=True)
+  write_run_config(workdir, start.record, replace=start.failed_start)
+
+
+def _set_aside(checkpoints_dir: epath.Path, damaged: list[int], is_main: bool) -> None:
+  """Moves the damaged checkpoints newer than the step resumed from out of the run's (once
+  every check of the resume has passed: a refused resume moves nothing), so that the run saves
+  those steps again."""
+  if is_main:
+    moved = checkpoint.set_aside(checkpoints_dir, damaged)
+    several = len(moved) > 1
+    print(f"warning: moved the damaged checkpoint step{'s' if several else ''} "
+          f"{', '.join(map(str, damaged))} out of {checkpoints_dir} to "
+          f"{', '.join(map(str, moved))}, as {'they were' if several else 'it was'} (this "
+          f"run saves {'them' if several else 'that step'} again)", file=sys.stderr,
+          flush=True)
+  _sync_processes("longformer_jax: damaged checkpoints set aside")
+
+
+class _Saver:
+  """Checkpoints a step once, only if its state is one the run can go on from (docs/charlm.md,
+  "Run integrity"), so the last saved step is the last good one, which a failed step's error
+  names. Says "saved step N" (process 0, without a progress bar) once the step is on disk."""
+
+  def __init__(self, writer: checkpoint.TrainCheckpoints, trainer: Trainer,
+               record: dict[str, Any], checkpoints_dir: epath.Path, last_saved: int | None, *,
+               say_saved: bool):
+    self.writer, self._trainer, self._record = writer, trainer, record
+    self.checkpoints_dir, self._say_saved = checkpoints_dir, say_saved
+    self.last_saved = last_saved  # every saved step passed its health check: the last good one
+
+  def good_checkpoint(self, failed_step: int) -> str:
+    if self.last_saved is None:
+      return f"No good checkpoint exists yet (none was saved before step {failed_step})."
+    return f"The last good checkpoint is step {self.last_saved} in {self.checkpoints_dir}."
+
+  def confirm(self, saved_step: int | None) -> None:
+    # A background save is said to be saved when the writer finds it complete (a failed one
+    # stops the run with its error instead).
+    if saved_step is not None and self._say_saved:
+      print(f"saved step {saved_step}", flush=True)
+
+  def check(self) -> None:
+    """A background save that failed stops the run now."""
+    self.confirm(self.writer.check())
+
+  def save(self, step: int, stage_index: int, state: TrainState, batches, batch
+           ) -> bool | None:
+    """Saves `step` (once): None if it was saved already, else whether the save is complete
+    (False: written in the background, `confirm`ed later)."""
+    if self.last_saved == step:
+      return None
+    health = self._trainer.health(stage_index, state, batch)
+    if not (health["finite"] and math.isfinite(health["loss"])
+            and math.isfinite(health["grad_norm"])):
+      self.writer.wait()
+      raise NonFiniteLossError(
+          f"the update of step {step} diverged (its parameters give loss {health['loss']:.4g}, "
+          f"gradient norm {health['grad_norm']:.4g}"
+          f"{'' if health['finite'] else ', non-finite values in the state'}); not saved. "
+          f"{self.good_checkpoint(step)} {_RETRY}")
+    self.confirm(self.writer.wait())  # the previous save (Orbax would wait for it anyway)
+    complete = self.writer.save(step, state.params, state.opt_state, {
+        "step": step, "stage": stage_index, "sampler": batches.state(), "run": self._record})
+    self.last_saved = step
+    return complete
+
+
+class _MetricsReader:
+  """Reads finished steps' metrics on the host late: the host dispatches step t+1 before it
+  reads step t's (`read_every` steps at a time, in one device_get), so the device never waits
+  for the host between steps. Logs each (metrics.jsonl, progress bar, step_hook) and stops the
+  run at the first non-finite loss or gradient norm (`NonFiniteLossError`), before anything of
+  it is saved (saves read their step first)."""
+
+  def __init__(self, cfg: TrainConfig, task: Task, saver: _Saver, metrics_log: MetricsLog,
+               pbar, step_hook: Callable[[int, dict[str, float]], None] | None, step: int):
+    self._cfg, self._task, self._saver, self._log = cfg, task, saver, metrics_log
+    self._pbar, self._step_hook = pbar, step_hook
+    self._pending: list[tuple[int, int, Any]] = []  # (step, stage index, metrics) not read yet
+    self._tick = time.perf_counter()  # the throughput's clock
+    self.step, self.loss = step, None  # the last step read and its loss
+
+  def restart_clock(self) -> None:
+    """Time from now is training (e.g. after an evaluation, which is not)."""
+    self._tick = time.perf_counter()
+
+  def add(self, step: int, stage_index: int, metrics: Any) -> None:
+    """A dispatched step; the earlier ones are read first when `read_every` are waiting."""
+    if len(self._pending) >= self._cfg.read_every:
+      self.read()
+    self._pending.append((step, stage_index, metrics))
+
+  def read(self) -> tuple[float, dict[str, float], float]:
+    """Reads and logs every waiting step. Returns (the last step's loss, its derived metrics,
+    tokens/s over the steps read since the clock's last tick)."""
+    read, self._pending, cfg = self._pending, [], self._cfg
+    values = jax.device_get([{k: metrics[k] for k in ("loss", "grad_norm", "learning_rate")}
+                             for _, _, metrics in read])
+    self._saver.check()
+    now = time.perf_counter()
+    tokens = sum(cfg.stages[i].batch_size * cfg.stages[i].seq_len for _, i, _ in read)
+    tokens_per_s = tokens / max(now - self._tick, 1e-9)
+    self._tick = now
+    for (at_step, stage_index, _), value in zip(read, values):
+      loss, grad_norm = float(value["loss"]), float(value["grad_norm"])
+      # A finite loss with non-finite gradients would save NaN parameters: stop on either.
+      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        self._saver.writer.wait()
+        raise NonFiniteLossError(
+            f"loss is {loss} (gradient norm {grad_norm}) at step {at_step} (stage "
+            f"{stage_index}, seq_len {cfg.stages[stage_index].seq_len}); stopped without "
+            f"saving. {self._saver.good_checkpoint(at_step)} {_RETRY}")
+      derived = self._task.train_metrics(loss)
+      self.loss, self.step = loss, at_step
+      if at_step % cfg.log_every == 0 or at_step == cfg.total_steps:
+        self._log.write(at_step, train_loss=loss, **derived, grad_norm=grad_norm,
+                        tokens_per_s=tokens_per_s,
+                        learning_rate=float(value["learning_rate"]), stage=stage_index)
+      if self._pbar is not None:
+        self._pbar.update(1)
+        self._pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}",
+                               **{k: f"{v:.3f}" for k, v in derived.items()},
+                               tok_s=f"{tokens_per_s:,.0f}")
+      if self._step_hook is not None:
+        self._step_hook(at_step, {"loss": loss, "grad_norm": grad_norm,
+                                  "tokens_per_s": tokens_per_s, **derived})
+    return loss, derived, tokens_per_s
+
+
+class _Loop:
+  """The stages from the step the run starts at: per step, dispatch, hand the metrics to the
+  reader, and at an evaluation, checkpoint or stop, read them, evaluate, save."""
+
+  def __init__(self, start: _Start, task: Task, saver: _Saver, reader: _MetricsReader,
+               metrics_log: MetricsLog, pbar, *, log_lines: bool):
+    self._cfg, self._trainer, self._task = start.cfg, start.trainer, task
+    self._saver, self._reader, self._log, self._pbar = saver, reader, metrics_log, pbar
+    self._log_lines = log_lines  # a line per evaluation and checkpoint shows progress in a log
+    self.valid: dict[str, float] = {}  # the last validation metrics
+
+  def run(self, start: _Start, preemption: _Preemption) -> str:
+    """Trains to the end ("done") or to an agreed stop after SIGTERM ("preempted")."""
+    cfg, state, step = self._cfg, start.state, start.step
+    for stage_index in range(cfg.stage_at(step), len(cfg.stages)):
+      stage = cfg.stages[stage_index]
+      stage_start = cfg.stage_starts()[stage_index]
+      if step >= stage_start + stage.steps:
+        continue
+      # Processes holding the same rows (a seq axis across hosts) read the same rows.
+      shape = (stage.batch_size, stage.seq_len)
+      group, groups = row_group(self._trainer.batch_sharding(shape), shape)
+      batches = self._task.batches(cfg, stage_index, process_index=group, process_count=groups)
+      if step > stage_start:  # resumed inside this stage: the saved state is this stage's
+        batches.load_state(start.meta["sampler"])
+      train_step = self._trainer.train_step(stage_index)
+      self._reader.restart_clock()
+      while step < stage_start + stage.steps:
+        batch = self._trainer.global_batch(next(batches), stage.batch_size)
+        state, metrics = train_step(state, batch)  # returns at dispatch; the device runs on
+        step += 1
+        self._reader.add(step, stage_index, metrics)
+        due_eval = cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
+                                                          or step == cfg.total_steps)
+        due_save = step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps
+        stop = preemption.stop_after(step, checkpoint_step=due_save)
+        if (due_eval or due_save or stop) and self._step_end(
+            step, stage_index, state, batches, batch, due_eval=due_eval, due_save=due_save,
+            stop=stop, preemption=preemption):
+          return "preempted"
+    self._saver.confirm(self._saver.writer.wait())
+    return "done"
+
+  def _step_end(self, step: int, stage_index: int, state: TrainState, batches, batch, *,
+                due_eval: bool, due_save: bool, stop: bool,
+                preemption: _Preemption) -> bool:
+    """A step whose state the host needs: its metrics read at once, then the evaluation and
+    the checkpoint that are due. Returns whether the run stops (saved) after it."""
+    loss, derived, tokens_per_s = self._reader.read()
+    stop = stop or preemption.noticed()  # a SIGTERM that came while the host read
+    valid = self._evaluate(step, stage_index, state) if due_eval else None
+    if stop:
+      self._saver.save(step, stage_index, state, batches, batch)
+      self._saver.writer.wait()  # the step is on disk before the process reports it and exits
+      # Every process says so: its log shows the step it agreed on.
+      print(f"\nSIGTERM: saved step {step} in {self._saver.checkpoints_dir}; exiting.",
+            flush=True)
+      return True
+    saved = None
+    if due_save:
+      saved = self._saver.save(step, stage_index, state, batches, batch)
+      if saved is False and step == self._cfg.total_steps:
+        saved = self._saver.writer.wait() is not None  # nothing left to overlap the write with
+    if self._log_lines and (valid is not None or saved is not None):
+      done = [f"step {step}/{self._cfg.total_steps} (stage {stage_index}): loss {loss:.4f}",
+              *(f"{k} {v:.4f}" for k, v in {**derived, **(valid or {})}.items()),
+              f"{tokens_per_s:,.0f} tokens/s"]
+      if saved is not None:
+        done.append(f"saved step {step}" if saved else f"saving step {step}")
+      print(", ".join(done), flush=True)
+    return False
+
+  def _evaluate(self, step: int, stage_index: int, state: TrainState) -> dict[str, float]:
+    valid = self._task.evaluate(self._trainer.model(state.params), self._cfg, stage_index,
+                                self._trainer.mesh)
+    self.valid.update(valid)
+    if valid:
+      self._log.write(step, **valid)
+      if self._pbar is not None:
+        self._pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
+    self._reader.restart_clock()  # evaluation time is not training throughput
+    return valid
+
+
+def _close(writer, metrics_log: MetricsLog, pbar, logdir: Path, task: Task, is_main: bool
+           ) -> None:
+  """Closes what the run opened and plots its curves."""
+  if pbar is not None:
+    pbar.close()
+  metrics_log.close()
+  if is_main and metrics_log.path.exists():
+    # A plot that fails (e.g. on the disk that failed a save) must not hide the run's error.
+    try:
+      plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)
+    except (OSError, DamagedLogError) as e:
+      why = e.strerror if isinstance(e, OSError) and e.strerror else e
+      print(f"warning: could not write {logdir / 'curves.png'}: {why}", file=sys.stderr)
+  writer.close()
+
+
 def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
           mesh: Mesh | None = None, progress: bool = True, logdir: str | os.PathLike | None = None,
           step_hook: Callable[[int, dict[str, float]], None] | None = None,
@@ -538,221 +834,30 @@ def train(cfg: TrainConfig, workdir: str | os.PathLike, task: Task, *,
     logdir = Path("runs") / workdir.name if "://" in str(workdir) else Path(workdir)
   logdir = Path(logdir)
   is_main = jax.process_index() == 0
-  trainer = Trainer(cfg, mesh, task=task)
+  start = _resume(cfg, workdir, task, Trainer(cfg, mesh, task=task), allow_changes, init_params)
   checkpoints_dir = workdir / checkpoint.CHECKPOINTS
-
-  # 1. Identity and state, before anything is written: the run's settings are those of the
-  # checkpoint resumed from. A run that never saved has none: nothing of it is kept.
-  data_identity = task.data_identity(cfg)
-  record = {**config_record(cfg), "data": data_identity}
-  where = f" {workdir}"
-  accepted, resumed = [], []
-
-  def check_meta(meta):
-    accepted[:] = identity.check_resume(meta["run"], record, step=meta["step"],
-                                        allow=allow_changes, where=where)
-    resumed[:] = [continued_stages(cfg, meta["run"], meta["step"])]
-
-  steps = checkpoint.checkpoint_steps(checkpoints_dir)
-  damaged, batches_state, last_good, failed_start = [], None, None, False
-  if steps:
-    check_run_record(workdir)  # an edited run_config.json: refused before anything is read
-    state, meta = trainer.restore(checkpoints_dir, check_meta=check_meta)
-    step, batches_state, last_good = int(meta["step"]), meta["sampler"], int(meta["step"])
-    damaged = [s for s in steps if s > step]
-    if resumed[0] != cfg:  # the stages carry the run's step changes: the schedule differs
-      cfg = resumed[0]
-      trainer = Trainer(cfg, trainer.mesh, task=task)
-      record = {**config_record(cfg), "data": data_identity}
-  else:
-    failed_start = ((workdir / RUN_CONFIG).exists()
-                    and _stored_record(workdir) != json.loads(json.dumps(record)))
-    state, step = trainer.init_state(None if init_params is None else init_params()), 0
   if is_main:
-    if steps:
-      print(f"resumed from step {step} (stage {meta['stage']}) in {checkpoints_dir}")
-    if accepted:
-      print(f"settings changed on resume: {'; '.join(accepted)}")
-    if failed_start:
-      print(f"warning: {workdir / RUN_CONFIG} is the record of a run that saved no checkpoint "
-            "(a failed start); replaced by this run's settings", file=sys.stderr, flush=True)
-    # Written when the run starts, never rewritten once the run has a checkpoint.
-    write_run_config(workdir, record, replace=failed_start)
-
-  metrics_log = MetricsLog(logdir, step, enabled=is_main)
+    _announce(start, workdir)
+  metrics_log = MetricsLog(logdir, start.step, enabled=is_main)
   try:
-    if damaged:
-      # Once every check of the resume has passed: a refused resume moves nothing.
-      if is_main:
-        moved = checkpoint.set_aside(checkpoints_dir, damaged)
-        several = len(moved) > 1
-        print(f"warning: moved the damaged checkpoint step{'s' if several else ''} "
-              f"{', '.join(map(str, damaged))} out of {checkpoints_dir} to "
-              f"{', '.join(map(str, moved))}, as {'they were' if several else 'it was'} (this "
-              f"run saves {'them' if several else 'that step'} again)", file=sys.stderr,
-              flush=True)
-      _sync_processes("longformer_jax: damaged checkpoints set aside")
-    writer = checkpoint.TrainCheckpoints(checkpoints_dir, keep=cfg.keep_checkpoints,
-                                         async_save=cfg.async_checkpoints)
+    if start.damaged:
+      _set_aside(checkpoints_dir, start.damaged, is_main)
+    writer = checkpoint.TrainCheckpoints(checkpoints_dir, keep=start.cfg.keep_checkpoints,
+                                         async_save=start.cfg.async_checkpoints)
   except BaseException:
     metrics_log.close()
     raise
-  summary = {"status": "done", "step": step, "last_loss": None}
-  last_saved = step if steps else None
-
-  def good_checkpoint(failed_step: int) -> str:
-    if last_good is None:
-      return f"No good checkpoint exists yet (none was saved before step {failed_step})."
-    return f"The last good checkpoint is step {last_good} in {checkpoints_dir}."
-
-  def confirm(saved_step: int | None) -> None:
-    # "saved" is said once the step is on disk: a background save when the writer finds it
-    # complete (a failed one stops the run with its error instead).
-    if saved_step is not None and is_main and pbar is None:
-      print(f"saved step {saved_step}", flush=True)
-
-  def save(stage_index, batches, batch) -> bool | None:
-    """Saves the step (once): None if it was saved already, else whether the save is complete
-    (False: written in the background, `confirm`ed later)."""
-    nonlocal last_saved, last_good
-    if last_saved == step:
-      return None
-    # Saved only if the state is one the run can go on from (docs/charlm.md, "Run integrity").
-    health = trainer.health(stage_index, state, batch)
-    if not (health["finite"] and math.isfinite(health["loss"])
-            and math.isfinite(health["grad_norm"])):
-      writer.wait()
-      raise NonFiniteLossError(
-          f"the update of step {step} diverged (its parameters give loss {health['loss']:.4g}, "
-          f"gradient norm {health['grad_norm']:.4g}"
-          f"{'' if health['finite'] else ', non-finite values in the state'}); not saved. "
-          f"{good_checkpoint(step)} {_RETRY}")
-    confirm(writer.wait())  # the previous save (Orbax would wait for it anyway)
-    complete = writer.save(step, state.params, state.opt_state, {
-        "step": step, "stage": stage_index, "sampler": batches.state(), "run": record})
-    last_good = last_saved = step
-    return complete
-
-  def report(read: list[tuple[int, int, Any]], *, tick: float
-             ) -> tuple[float, float, dict[str, float], float]:
-    """Reads finished steps' metrics on the host (`read`: (step, stage index, metrics) in step
-    order) and logs each (metrics.jsonl, progress, step_hook) up to the first non-finite loss
-    or gradient norm, which stops the run (`NonFiniteLossError`). Returns (the time it read
-    them: the throughput's clock, the last step's loss, its derived metrics, tokens/s over the
-    steps read since `tick`)."""
-    values = jax.device_get([{k: metrics[k] for k in ("loss", "grad_norm", "learning_rate")}
-                             for _, _, metrics in read])
-    confirm(writer.check())  # a background save that failed stops the run now
-    now = time.perf_counter()
-    tokens = sum(cfg.stages[i].batch_size * cfg.stages[i].seq_len for _, i, _ in read)
-    tokens_per_s = tokens / max(now - tick, 1e-9)
-    for (at_step, stage_index, _), value in zip(read, values):
-      loss, grad_norm = float(value["loss"]), float(value["grad_norm"])
-      # A finite loss with non-finite gradients would save NaN parameters: stop on either.
-      if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-        writer.wait()
-        raise NonFiniteLossError(
-            f"loss is {loss} (gradient norm {grad_norm}) at step {at_step} (stage "
-            f"{stage_index}, seq_len {cfg.stages[stage_index].seq_len}); stopped without "
-            f"saving. {good_checkpoint(at_step)} {_RETRY}")
-      derived = task.train_metrics(loss)
-      summary["last_loss"], summary["step"] = loss, at_step
-      if at_step % cfg.log_every == 0 or at_step == cfg.total_steps:
-        metrics_log.write(at_step, train_loss=loss, **derived, grad_norm=grad_norm,
-                          tokens_per_s=tokens_per_s,
-                          learning_rate=float(value["learning_rate"]), stage=stage_index)
-      if pbar is not None:
-        pbar.update(1)
-        pbar.set_postfix(stage=stage_index, loss=f"{loss:.3f}",
-                         **{k: f"{v:.3f}" for k, v in derived.items()},
-                         tok_s=f"{tokens_per_s:,.0f}")
-      if step_hook is not None:
-        step_hook(at_step, {"loss": loss, "grad_norm": grad_norm,
-                            "tokens_per_s": tokens_per_s, **derived})
-    return now, loss, derived, tokens_per_s
-
   pbar = None
   if progress and is_main:
     from tqdm import tqdm
-    pbar = tqdm(total=cfg.total_steps, initial=step, unit="step", dynamic_ncols=True)
-
+    pbar = tqdm(total=start.cfg.total_steps, initial=start.step, unit="step", dynamic_ncols=True)
+  saver = _Saver(writer, start.trainer, start.record, checkpoints_dir,
+                 None if start.meta is None else start.step, say_saved=is_main and pbar is None)
+  reader = _MetricsReader(start.cfg, task, saver, metrics_log, pbar, step_hook, start.step)
+  loop = _Loop(start, task, saver, reader, metrics_log, pbar, log_lines=is_main and pbar is None)
   try:
     with _Preemption() as preemption:
-      for stage_index in range(cfg.stage_at(step), len(cfg.stages)):
-        stage = cfg.stages[stage_index]
-        stage_start = cfg.stage_starts()[stage_index]
-        if step >= stage_start + stage.steps:
-          continue
-        # Processes holding the same rows (a seq axis across hosts) read the same rows.
-        group, groups = row_group(trainer.batch_sharding((stage.batch_size, stage.seq_len)),
-                                  (stage.batch_size, stage.seq_len))
-        batches = task.batches(cfg, stage_index, process_index=group, process_count=groups)
-        if step > stage_start:  # resumed inside this stage: the saved state is this stage's
-          batches.load_state(batches_state)
-        train_step = trainer.train_step(stage_index)
-        tick = time.perf_counter()
-        pending = []  # dispatched steps whose metrics the host has not read yet
-        while step < stage_start + stage.steps:
-          batch = trainer.global_batch(next(batches), stage.batch_size)
-          state, metrics = train_step(state, batch)  # returns at dispatch; the device runs on
-          step += 1
-          # The host runs ahead: earlier steps' metrics are read while this one runs, so the
-          # device never waits for the host between steps. A non-finite one stops the run
-          # here, before anything of it is saved (saves read their step first).
-          if len(pending) >= cfg.read_every:
-            tick = report(pending, tick=tick)[0]
-            pending = []
-          due_eval = cfg.eval_every <= cfg.total_steps and (step % cfg.eval_every == 0
-                                                            or step == cfg.total_steps)
-          due_save = step % cfg.checkpoint_every == 0 or step == stage_start + stage.steps
-          stop = preemption.stop_after(step, checkpoint_step=due_save)
-          pending.append((step, stage_index, metrics))
-          if not (due_eval or due_save or stop):
-            continue
-          tick, loss, derived, tokens_per_s = report(pending, tick=tick)
-          pending = []
-          stop = stop or preemption.noticed()  # a SIGTERM that came while the host read
-          valid = None
-          if due_eval:
-            valid = task.evaluate(trainer.model(state.params), cfg, stage_index, trainer.mesh)
-            summary.update(valid)
-            if valid:
-              metrics_log.write(step, **valid)
-              if pbar is not None:
-                pbar.write(f"step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in valid.items()))
-            tick = time.perf_counter()  # evaluation time is not training throughput
-          if stop:
-            save(stage_index, batches, batch)
-            writer.wait()  # the step is on disk before the process reports it and exits
-            summary["status"] = "preempted"
-            # Every process says so: its log shows the step it agreed on.
-            print(f"\nSIGTERM: saved step {step} in {checkpoints_dir}; exiting.", flush=True)
-            return summary
-          saved = None
-          if due_save:
-            saved = save(stage_index, batches, batch)
-            if saved is False and step == cfg.total_steps:
-              saved = writer.wait() is not None  # nothing left to overlap the write with
-          if is_main and pbar is None and (valid is not None or saved is not None):
-            # Without a progress bar, a line per evaluation and checkpoint shows progress in a
-            # log.
-            done = [f"step {step}/{cfg.total_steps} (stage {stage_index}): loss {loss:.4f}",
-                    *(f"{k} {v:.4f}" for k, v in {**derived, **(valid or {})}.items()),
-                    f"{tokens_per_s:,.0f} tokens/s"]
-            if saved is not None:
-              done.append(f"saved step {step}" if saved else f"saving step {step}")
-            print(", ".join(done), flush=True)
-      confirm(writer.wait())
-      return summary
+      status = loop.run(start, preemption)
+    return {"status": status, "step": reader.step, "last_loss": reader.loss, **loop.valid}
   finally:
-    if pbar is not None:
-      pbar.close()
-    metrics_log.close()
-    if is_main and metrics_log.path.exists():
-      # A plot that fails (e.g. on the disk that failed a save) must not hide the run's error.
-      try:
-        plot_curves(metrics_log.path, logdir / "curves.png", task.plot_keys, task.plot_ylabel)
-      except (OSError, DamagedLogError) as e:
-        why = e.strerror if isinstance(e, OSError) and e.strerror else e
-        print(f"warning: could not write {logdir / 'curves.png'}: {why}", file=sys.stderr)
-    writer.close()
+    _close(writer, metrics_log, pbar, logdir, task, is_main)
