@@ -769,4 +769,4 @@ __all__ = [
 
 
 # The kinds of their own modules register on import (after everything above is defined).
-from longformer_jax.tasks import coref_kind  # noqa: E402,F401
+from longformer_jax.tasks import coref_kind, hotpotqa_kind  # noqa: E402,F401
