@@ -181,7 +181,8 @@ def test_hotpotqa_trains_both_stages_and_evaluates_two_stage(hotpot_files, tmp_p
                    files["dev"], "--max-length", "128", "--set", "hotpot_stage2_length=96",
                    *_SMALL]) == 0
   results = _results(workdir)
-  names = {"em", "f1", "sp_em", "sp_f1", "joint_em", "joint_f1", "paragraph_recall"}
+  names = {"em", "f1", "sp_em", "sp_f1", "joint_em", "joint_f1", "paragraph_recall",
+           "evidence_within_limit"}
   assert names <= set(results["test"]) and results["test"]["examples"] == 3
   with open(workdir / "predictions_test.json") as f:
     official = json.load(f)

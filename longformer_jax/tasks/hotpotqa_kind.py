@@ -18,7 +18,8 @@ and every marker), "first" `<s>` alone, "none" no token.
 
 Metrics (fractions in [0, 1], means over the split's records): em, f1, prec, recall (answer),
 sp_em, sp_f1, sp_prec, sp_recall (supporting facts), joint_em, joint_f1, joint_prec,
-joint_recall, and paragraph_recall (the gold paragraphs among stage 1's choice). Beside
+joint_recall, paragraph_recall (the gold paragraphs among stage 1's choice) and
+evidence_within_limit (the records whose supporting sentences all fit stage 1's row). Beside
 predictions_<split>.jsonl the run writes predictions_<split>.json, the official prediction file
 {"answer": {id: text}, "sp": {id: [[title, sentence id], ...]}}.
 """
@@ -120,7 +121,7 @@ class HotpotQA(Kind):
   default_global = "question"
   has_question = True
   required = {}
-  metrics = (*HOTPOT_METRICS, "paragraph_recall")
+  metrics = (*HOTPOT_METRICS, "paragraph_recall", "evidence_within_limit")
   option_fields: ClassVar[tuple[str, ...]] = ("hotpot_stage2_length",)
 
   def __init__(self, settings: HotpotSettings = HotpotSettings()):
@@ -258,6 +259,8 @@ class HotpotQA(Kind):
       records.append({"id": e.record.id, "answer": a, "sp": s,
                       "paragraphs": [e.record.context[p][0] for p in picked]})
     metrics["paragraph_recall"] = found / wanted if wanted else 1.0
+    metrics["evidence_within_limit"] = float(np.mean(
+        [e.stage1.truncation.evidence_within_limit for e in examples]))
     return metrics, records
 
   def files(self, name, split, records):
