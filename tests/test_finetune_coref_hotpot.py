@@ -151,6 +151,15 @@ def test_coref_settings_are_checked(coref_files):
   with pytest.raises(ValueError, match="coref_segment_length=24 must divide max_length=64"):
     kind.read_split(coref_files["dev"]["conll"], None, max_length=64, specials=SPECIALS,
                     vocab_size=512, options=ft.FinetuneOptions(coref_segment_length=24))
+  # A split's kind carries the run's settings; kinds with equal settings are equal (the
+  # evaluation's compiled function is cached by kind).
+  tokenizer = Tokenizer.from_file(coref_files["tokenizer"])
+  read = lambda **changes: kind.read_split(
+      coref_files["dev"]["conll"], tokenizer, max_length=64, specials=SPECIALS, vocab_size=512,
+      options=ft.FinetuneOptions(**changes))
+  segmented = read(coref_segment_length=32, coref_mention_weight=0.5).kind
+  assert segmented.settings == coref_kind.CorefSettings(mention_weight=0.5, segment_length=32)
+  assert read().kind == kind and hash(read().kind) == hash(kind) and segmented != kind
 
 
 # ----------------------------------------------------------------------------------------------
