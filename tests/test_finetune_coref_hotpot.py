@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from tokenizers import Regex, Tokenizer, models, pre_tokenizers
 
+from longformer_jax.config import LongformerConfig
 from longformer_jax.data import coref as coref_data
 from longformer_jax.data import coref_generate
 from longformer_jax.data import hotpotqa as hq
@@ -240,3 +241,23 @@ def test_trivial_hotpot_predictor(hotpot_files):
   scores = hotpotqa_kind.trivial_scores(hotpot_files["train"], hotpot_files["dev"])
   assert scores["em"] == pytest.approx(np.mean([a == answer for a in dev]))
   assert scores["sp_f1"] == 0.0 and scores["joint_f1"] == 0.0
+
+
+def test_coref_segment_baseline_reads_rows_in_segments(coref_files):
+  """coref_segment_length: the encoder reads each row as independent segments (with global
+  attention on <s> too): a finite loss, not the whole row's."""
+  from flax import nnx
+  tokenizer = Tokenizer.from_file(coref_files["tokenizer"])
+  config = LongformerConfig.tiny(num_hidden_layers=1, attention_impl="reference")
+  losses = []
+  for segment in (None, 32):
+    options = ft.FinetuneOptions(coref_segment_length=segment, coref_ffnn_size=16,
+                                 coref_max_span_width=4, coref_feature_size=4,
+                                 coref_max_antecedents=6, coref_dropout=0.0)
+    split = ft.get_kind("coref").read_split(
+        coref_files["dev"]["conll"], tokenizer, max_length=64, specials=SPECIALS,
+        vocab_size=config.vocab_size, options=options)
+    model = split.kind.build_model(config, options, rngs=nnx.Rngs(0))
+    batch = split.kind.batch(split, [0, 1], global_attention="first", specials=SPECIALS)
+    losses.append(float(split.kind.loss(model, batch, 1)))
+  assert all(np.isfinite(losses)) and losses[0] != losses[1], losses

@@ -317,10 +317,13 @@ class Coreference(Kind):
   # The model.
 
   def _output(self, model, batch, max_global) -> coref_lib.CorefOutput:
+    segment = self.settings.segment_length
+    global_BxN = batch["global_attention_mask"]
+    if segment is not None:  # the encoder reads [B * N / segment, segment] rows
+      global_BxN = global_BxN.reshape(-1, segment)
     return model(batch["input_ids"], batch["attention_mask"], batch["sentence_ids"],
-                 batch["speaker_ids"], batch["genre_ids"],
-                 segment_length=self.settings.segment_length,
-                 global_attention_mask=batch["global_attention_mask"], max_global=max_global)
+                 batch["speaker_ids"], batch["genre_ids"], segment_length=segment,
+                 global_attention_mask=global_BxN, max_global=max_global)
 
   def logits(self, model, batch, max_global):
     """The kept spans and their antecedent scores (`CorefOutput`'s fields `outputs` keeps)."""
