@@ -88,6 +88,16 @@ class FinetuneOptions:
     position takes its state from the segment where it is most central).
   segment_pool: baseline "segments", classification: the first segment's `<s>` ("first") or the
     mean of every segment's ("mean").
+  coref_*: coreference (`longformer_jax.tasks.coref_kind`): the head's `CorefConfig` fields
+    max_span_width, top_span_ratio, max_top_spans, max_antecedents, ffnn_size, ffnn_depth,
+    feature_size, use_speakers and dropout; coref_mention_weight, `coref_loss`'s mention
+    cross-entropy weight; coref_segment_length, the segment baseline (the encoder reads each
+    row as independent segments of that many tokens; None: whole rows); coref_singletons, the
+    scoring convention (True: the reference scorer's; False: singletons removed).
+  hotpot_*: HotpotQA (`longformer_jax.tasks.hotpotqa_kind`): hotpot_top_k, the paragraphs stage
+    1 hands stage 2; hotpot_sp_threshold and hotpot_min_sentences, the evidence decision
+    (`tasks.hotpotqa.predictions`); hotpot_stage2_length, stage 2's row length (None: the
+    run's max_length).
   """
   global_attention: str = "default"
   max_question_length: int = 128
@@ -102,14 +112,34 @@ class FinetuneOptions:
   segment_length: int = 512
   segment_overlap: int = 0
   segment_pool: str = "first"
+  coref_max_span_width: int = 30
+  coref_top_span_ratio: float = 0.4
+  coref_max_top_spans: int = 3900
+  coref_max_antecedents: int = 50
+  coref_ffnn_size: int = 3000
+  coref_ffnn_depth: int = 1
+  coref_feature_size: int = 20
+  coref_use_speakers: bool = True
+  coref_dropout: float = 0.3
+  coref_mention_weight: float = 0.0
+  coref_segment_length: int | None = None
+  coref_singletons: bool = True
+  hotpot_top_k: int = 2
+  hotpot_sp_threshold: float = 0.5
+  hotpot_min_sentences: int = 0
+  hotpot_stage2_length: int | None = None
 
   def __post_init__(self):
     if self.global_attention not in fd.GLOBAL_MODES:
       raise ValueError(f"global_attention must be one of {fd.GLOBAL_MODES}, got "
                        f"{self.global_attention!r}")
     for name in ("max_question_length", "max_answer_length", "roberta_positions",
-                 "roberta_window"):
+                 "roberta_window", "coref_max_span_width", "coref_max_top_spans",
+                 "coref_max_antecedents", "coref_ffnn_size", "coref_feature_size",
+                 "coref_segment_length", "hotpot_top_k", "hotpot_stage2_length"):
       value = getattr(self, name)
+      if value is None and name in ("coref_segment_length", "hotpot_stage2_length"):
+        continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if self.qa_normalizer not in NORMALIZERS:
@@ -117,6 +147,23 @@ class FinetuneOptions:
                        f"{self.qa_normalizer!r}")
     if self.qa_loss not in QA_LOSSES:
       raise ValueError(f"qa_loss must be one of {QA_LOSSES}, got {self.qa_loss!r}")
+    for name, low in (("coref_ffnn_depth", 0), ("hotpot_min_sentences", 0)):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    for name, low, high in (("coref_top_span_ratio", 1e-3, None), ("coref_dropout", 0.0, 1.0),
+                            ("coref_mention_weight", 0.0, None),
+                            ("hotpot_sp_threshold", 0.0, 1.0)):
+      value = getattr(self, name)
+      if (not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+          or value < low or (high is not None and value > high) or value == float("inf")):
+        bound = f"in [{low}, {high}]" if high is not None else f"a finite number >= {low}"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    if self.coref_dropout >= 1.0:
+      raise ValueError(f"coref_dropout must be below 1, got {self.coref_dropout!r}")
+    for name in ("coref_use_speakers", "coref_singletons"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
     if self.label_names is not None and (
         not self.label_names or len(set(self.label_names)) != len(self.label_names)):
       raise ValueError(f"label_names must be distinct names, got {self.label_names!r}")
@@ -182,10 +229,13 @@ class FinetuneTask(Task):
                validation: fd.FinetuneSplit | None = None, *, global_attention: str,
                options: FinetuneOptions = FinetuneOptions(),
                identity: Mapping[str, Any] | None = None, test: fd.FinetuneSplit | None = None):
-    kind = get_kind(task).configured(options)
     for split in (train, validation):
       if split is not None and split.task != task:
         raise ValueError(f"{split.path} was read for task {split.task!r}, not {task!r}")
+    # The training split's kind when it carries the run's settings (`Kind.read_split`), else
+    # the registered kind configured by the options (`Kind.configured`).
+    kind = (train.kind if train.kind is not get_kind(task)
+            else get_kind(task).configured(options))
     self.task, self.kind, self.train, self.validation = task, kind, train, validation
     self.global_attention = kind.resolve_global(global_attention)
     self.options = options
@@ -237,11 +287,13 @@ class FinetuneTask(Task):
             "train_examples": len(self.train), "global_attention": self.global_attention,
             "max_question_length": self.options.max_question_length,
             "label_names": self.train.label_names, **self.kind.settings(),
-            **self.options.segment_settings, **self._identity}
+            **self.options.segment_settings,
+            **{name: getattr(self.options, name) for name in self.kind.option_fields},
+            **self._identity}
 
   def build_model(self, config: LongformerConfig, rngs: nnx.Rngs, mesh: Mesh | None = None,
                   seq_axis: str | None = None) -> nnx.Module:
-    return self.kind.model_class(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
+    return self.kind.build_model(config, self.options, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
 
   def loss(self, model, batch, stage: Stage, dropout_key: jax.Array) -> jax.Array:
     del stage
@@ -305,6 +357,7 @@ def score_splits(model: nnx.Module, splits: Mapping[str, fd.FinetuneSplit | None
     results[name] = {**metrics, **report}
     files[f"predictions_{name}.jsonl"] = "".join(json.dumps(r, ensure_ascii=False) + "\n"
                                                  for r in records)
+    files.update(split.kind.files(name, split, records))
     lines.append(f"{name}: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
                                          for k, v in metrics.items()))
     if "truncation" in report:
@@ -376,7 +429,13 @@ def predict(model: nnx.Module, split: fd.FinetuneSplit, *, global_attention: str
   (default all), one row each (`Kind.outputs`): "logits" [E, L] or [E, C] (classification,
   multiple choice), "tags" [E, N] (token), "start", "end" (row positions) and "score" [E]
   (qa). `options.baseline` "segments" reads them in segments (`fs.SegmentReading`, the same
-  outputs at the same row positions)."""
+  outputs at the same row positions); a kind with its own `Kind.predict` (HotpotQA's two stages)
+  gives its own."""
+  own = split.kind.predict(model, split, global_attention=global_attention,
+                           max_answer_length=max_answer_length, batch_size=batch_size,
+                           max_examples=max_examples, mesh=mesh, rules=rules, progress=progress)
+  if own is not None:
+    return own
   model = nnx.merge(*nnx.split(model))  # a copy to switch to evaluation mode
   model.eval()
   graphdef, state = nnx.split(model)
@@ -384,7 +443,8 @@ def predict(model: nnx.Module, split: fd.FinetuneSplit, *, global_attention: str
   reading = (options or FinetuneOptions()).reading(split.kind, mode)
   fn = _outputs_fn(graphdef, reading, split.max_global(mode), max_answer_length)
   num = len(split) if max_examples is None else min(max_examples, len(split))
-  specials = SpecialIds.of_config(model.config)
+  # A head config wrapping the encoder's (coreference's CorefConfig) names its ids there.
+  specials = SpecialIds.of_config(getattr(model.config, "encoder", model.config))
   parts = collections.defaultdict(list)
   batches = examples.row_batches(num, batch_size, mesh)
   for rows, real in examples.progress(batches, len(batches), f"eval {split.task}", "batch",
@@ -486,8 +546,9 @@ def run_settings(workdir, task: str, max_length: int | None = None,
       max_question_length=data["max_question_length"],
       label_names=None if data["label_names"] is None else tuple(data["label_names"]),
       # A kind's settings and the segment baseline's are in the record when they differ
-      # from the defaults.
-      **{k: data[k] for k in KIND_SETTINGS + _SEGMENT_SETTINGS if k in data})
+      # from the defaults; a kind's own option fields always.
+      **{k: data[k] for k in KIND_SETTINGS + _SEGMENT_SETTINGS + get_kind(task).option_fields
+         if k in data})
   return cfg, options, None if path is None else load_tokenizer(path)
 
 
@@ -511,11 +572,10 @@ def read_splits(task: str, paths: Mapping[str, str | os.PathLike | None], tokeni
     named_by = [paths["train"]] if paths.get("train") is not None else [
         p for p in paths.values() if p is not None]
     label_names = kind.label_names(named_by, options.label_names)
-  return {name: fd.read_split(path, kind, tokenizer, max_length=cfg.stages[0].seq_len,
-                              specials=SpecialIds.of_config(cfg.model),
-                              vocab_size=cfg.model.vocab_size,
-                              max_question_length=options.max_question_length,
-                              label_names=label_names)
+  return {name: kind.read_split(path, tokenizer, max_length=cfg.stages[0].seq_len,
+                                specials=SpecialIds.of_config(cfg.model),
+                                vocab_size=cfg.model.vocab_size, options=options,
+                                label_names=label_names)
           for name, path in paths.items() if path is not None}
 
 
@@ -584,7 +644,9 @@ def evaluation_only(task: str, cfg: TrainConfig, source: ModelSource | None, wor
 # model's weights or architecture nor the data it was trained on.
 EVAL_ONLY_SETTINGS = ("eval_batch_size", "mesh_shape", "logical_rules", "model.attention_impl",
                       "model.remat")
-EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length", "qa_normalizer", "length_buckets")
+EVAL_ONLY_OPTIONS = ("global_attention", "max_answer_length", "qa_normalizer", "length_buckets",
+                     "coref_singletons", "hotpot_top_k", "hotpot_sp_threshold",
+                     "hotpot_min_sentences")
 # The options a kind reads (`Kind.configured`), recorded in a run's identity when not the default.
 KIND_SETTINGS = ("qa_normalizer", "qa_loss")
 
@@ -709,12 +771,13 @@ def load_source(spec: str, tokenizer=None, *, options: FinetuneOptions = Finetun
                              expected="a Longformer encoder")
 
 
-def initial_model(task: str, source: ModelSource, cfg: TrainConfig, mesh: Mesh) -> nnx.Module:
+def initial_model(task: str, source: ModelSource, cfg: TrainConfig, mesh: Mesh,
+                  options: FinetuneOptions = FinetuneOptions()) -> nnx.Module:
   """The task's model with the source's weights (`initial_params`), laid out on the mesh as a
   trained run's parameters are."""
   from longformer_jax.training.sharding import param_shardings, seq_axis
-  model = MODEL_CLASSES[task](cfg.model, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
-                              seq_axis=seq_axis(mesh))
+  model = get_kind(task).build_model(cfg.model, options, rngs=nnx.Rngs(cfg.seed), mesh=mesh,
+                                     seq_axis=seq_axis(mesh))
   state = nnx.state(model, nnx.Param)
   nnx.replace_by_pure_dict(state, kind_params(get_kind(task), source, model, seed=cfg.seed))
   nnx.update(model, jax.device_put(state, param_shardings(state, mesh, cfg.logical_rules)))
@@ -730,10 +793,10 @@ def evaluate_only(task: str, cfg: TrainConfig, source: ModelSource | None, workd
   step = None
   if source is None:
     model, step, _ = restore(
-        lambda config, rngs, mesh=None, seq_axis=None: MODEL_CLASSES[task](
-            config, rngs=rngs, mesh=mesh, seq_axis=seq_axis), cfg, workdir, mesh)
+        lambda config, rngs, mesh=None, seq_axis=None: get_kind(task).build_model(
+            config, options, rngs=rngs, mesh=mesh, seq_axis=seq_axis), cfg, workdir, mesh)
   else:
-    model = initial_model(task, source, cfg, mesh)
+    model = initial_model(task, source, cfg, mesh, options)
   evaluation = score_splits(model, splits, global_attention=global_attention, options=options,
                             cfg=cfg, mesh=mesh, progress=progress)
   return dataclasses.replace(evaluation, step=step)

@@ -204,6 +204,44 @@ class Kind(abc.ABC):
     not fit the model's head."""
     del split, config
 
+  # Hooks of kinds whose data, model or evaluation do not follow the JSONL records and the one
+  # forward pass of the four kinds above (coreference, HotpotQA): each default is their way.
+
+  # `FinetuneOptions` fields that fix the model or the data of a run: recorded in its identity
+  # (a resume must keep them) and restored by --eval-only (`finetune.run_settings`).
+  option_fields: ClassVar[tuple[str, ...]] = ()
+
+  def read_split(self, path: str | os.PathLike, tokenizer, *, max_length: int,
+                 specials: SpecialIds, vocab_size: int, options: Any,
+                 label_names: tuple[str, ...] | None = None) -> fd.FinetuneSplit:
+    """The file `path` featurised (`options`: the run's `FinetuneOptions`): here its JSONL
+    records, `fd.read_split`."""
+    return fd.read_split(path, self, tokenizer, max_length=max_length, specials=specials,
+                         vocab_size=vocab_size, max_question_length=options.max_question_length,
+                         label_names=label_names)
+
+  def build_model(self, config: LongformerConfig, options: Any, *, rngs: nnx.Rngs,
+                  mesh=None, seq_axis: str | None = None) -> nnx.Module:
+    """A fresh model of the kind (`options`: the run's `FinetuneOptions`): here
+    `model_class(config)`."""
+    del options
+    return self.model_class(config, rngs=rngs, mesh=mesh, seq_axis=seq_axis)
+
+  def predict(self, model: nnx.Module, split: fd.FinetuneSplit, **settings
+              ) -> dict[str, np.ndarray] | None:
+    """The outputs of a kind whose evaluation is more than one forward pass per batch
+    (`settings`: `finetune.predict`'s keywords); None (here) runs `finetune.predict`'s batches
+    through `logits` and `outputs`."""
+    del model, split, settings
+    return None
+
+  def files(self, name: str, split: fd.FinetuneSplit, records: Sequence[Mapping[str, Any]]
+            ) -> dict[str, str]:
+    """Files written beside predictions_<name>.jsonl for the split `name` ({file name: text}):
+    here none."""
+    del name, split, records
+    return {}
+
 
 KINDS: dict[str, Kind] = {}
 
@@ -892,3 +930,7 @@ __all__ = [
     "Tagging", "best_spans", "get_kind", "macro_f1", "normalize_answer", "register",
     "span_answer", "squad_scores", "tagging_scores",
 ]
+
+
+# The kinds of their own modules register on import (after everything above is defined).
+from longformer_jax.tasks import coref_kind, hotpotqa_kind  # noqa: E402,F401
