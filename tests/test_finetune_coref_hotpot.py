@@ -159,7 +159,7 @@ def test_coref_settings_are_checked(coref_files):
       coref_files["dev"]["conll"], tokenizer, max_length=64, specials=SPECIALS, vocab_size=512,
       options=ft.FinetuneOptions(**changes))
   segmented = read(coref_segment_length=32, coref_mention_weight=0.5).kind
-  assert segmented.settings == coref_kind.CorefSettings(mention_weight=0.5, segment_length=32)
+  assert segmented.run_settings == coref_kind.CorefSettings(mention_weight=0.5, segment_length=32)
   assert read().kind == kind and hash(read().kind) == hash(kind) and segmented != kind
 
 

@@ -233,18 +233,18 @@ class Coreference(Kind):
       "coref_use_speakers", "coref_dropout", "coref_mention_weight", "coref_segment_length")
 
   def __init__(self, settings: CorefSettings = CorefSettings()):
-    self.settings = settings
+    self.run_settings = settings
 
   # Kinds with the same settings are one kind (the evaluation's compiled function is cached by
   # kind): each split read carries its run's settings.
   def __eq__(self, other) -> bool:
-    return type(other) is type(self) and other.settings == self.settings
+    return type(other) is type(self) and other.run_settings == self.run_settings
 
   def __hash__(self) -> int:
-    return hash((type(self), self.settings))
+    return hash((type(self), self.run_settings))
 
   def __repr__(self) -> str:
-    return f"Coreference({self.settings})"
+    return f"Coreference({self.run_settings})"
 
   # Records.
 
@@ -317,7 +317,7 @@ class Coreference(Kind):
   # The model.
 
   def _output(self, model, batch, max_global) -> coref_lib.CorefOutput:
-    segment = self.settings.segment_length
+    segment = self.run_settings.segment_length
     global_BxN = batch["global_attention_mask"]
     if segment is not None:  # the encoder reads [B * N / segment, segment] rows
       global_BxN = global_BxN.reshape(-1, segment)
@@ -338,7 +338,7 @@ class Coreference(Kind):
     return jnp.mean(coref_lib.coref_loss(
         out, gold_starts=batch["gold_starts"], gold_ends=batch["gold_ends"],
         gold_cluster_ids=batch["gold_cluster_ids"],
-        mention_weight=self.settings.mention_weight))
+        mention_weight=self.run_settings.mention_weight))
 
   def outputs(self, logits, max_answer_length):
     """starts, ends, span_mask [E, M], antecedents [E, M, K] and each kept span's best
@@ -363,7 +363,7 @@ class Coreference(Kind):
       predictions.append(words)
     golds = [[list(c) for c in e.gold_words] for e in examples]
     scores = coref_scores(golds=golds, predictions=predictions,
-                          singletons=self.settings.singletons)
+                          singletons=self.run_settings.singletons)
     metrics = {f"{m}_{x}": scores[m][x] for m in METRICS for x in ("p", "r", "f1")}
     metrics["conll_f1"] = scores["conll_f1"]
     total = sum(e.mentions for e in examples)

@@ -46,6 +46,8 @@ from longformer_jax.tasks.finetune_kinds import (
     best_spans, get_kind, macro_f1, normalize_answer, register, span_answer, squad_scores,
     tagging_scores)
 # The kinds defined in their own modules register when imported.
+from longformer_jax.tasks import coref_kind as _coref_kind  # noqa: F401
+from longformer_jax.tasks import hotpotqa_kind as _hotpotqa_kind  # noqa: F401
 from longformer_jax.tasks import wikihop as _wikihop  # noqa: F401
 from longformer_jax.training.config import Stage, TrainConfig
 from longformer_jax.training.sharding import LOGICAL_RULES

@@ -930,7 +930,3 @@ __all__ = [
     "Tagging", "best_spans", "get_kind", "macro_f1", "normalize_answer", "register",
     "span_answer", "squad_scores", "tagging_scores",
 ]
-
-
-# The kinds of their own modules register on import (after everything above is defined).
-from longformer_jax.tasks import coref_kind, hotpotqa_kind  # noqa: E402,F401

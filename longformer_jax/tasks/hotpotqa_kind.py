@@ -125,16 +125,16 @@ class HotpotQA(Kind):
   option_fields: ClassVar[tuple[str, ...]] = ("hotpot_stage2_length",)
 
   def __init__(self, settings: HotpotSettings = HotpotSettings()):
-    self.settings = settings
+    self.run_settings = settings
 
   def __eq__(self, other) -> bool:
-    return type(other) is type(self) and other.settings == self.settings
+    return type(other) is type(self) and other.run_settings == self.run_settings
 
   def __hash__(self) -> int:
-    return hash((type(self), self.settings))
+    return hash((type(self), self.run_settings))
 
   def __repr__(self) -> str:
-    return f"HotpotQA({self.settings})"
+    return f"HotpotQA({self.run_settings})"
 
   # Records.
 
@@ -221,7 +221,7 @@ class HotpotQA(Kind):
     model.eval()
     num = len(split) if max_examples is None else min(max_examples, len(split))
     examples = split.examples[:num]
-    k = self.settings.top_k
+    k = self.run_settings.top_k
     rows1 = [_with_global(e.stage1, global_attention) for e in examples]
     logits = pipeline.run_rows(model, rows1, batch_size=batch_size,
                                max_answer_length=max_answer_length)["paragraph_logits"]
@@ -234,8 +234,8 @@ class HotpotQA(Kind):
         for e, pick in zip(examples, chosen)]
     decoded = pipeline.run_rows(model, rows2, batch_size=batch_size,
                                 max_answer_length=max_answer_length)
-    preds = pipeline.predictions(rows2, decoded, sp_threshold=self.settings.sp_threshold,
-                                 min_sentences=self.settings.min_sentences)
+    preds = pipeline.predictions(rows2, decoded, sp_threshold=self.run_settings.sp_threshold,
+                                 min_sentences=self.run_settings.min_sentences)
     ids = [e.record.id for e in examples]
     answers, facts = np.empty(num, object), np.empty(num, object)
     for i, id_ in enumerate(ids):
