@@ -377,7 +377,7 @@ def length_report(split: fd.FinetuneSplit, num: int, outputs: Mapping[str, np.nd
   tagging's micro F1) is that bucket's own and does not average back to the split's. {} when
   the kind does not record what it cut (`fd.Example.truncation`)."""
   examples = split.examples[:num]
-  facts = [e.truncation for e in examples]
+  facts = [getattr(e, "truncation", None) for e in examples]
   if not facts or any(f is None for f in facts):
     return {}
   block = truncation.truncation_block(
@@ -468,8 +468,9 @@ def score(split: fd.FinetuneSplit, outputs: Mapping[str, np.ndarray]
   num = len(next(iter(outputs.values())))
   metrics, records = split.kind.score(split, split.examples[:num], split.ids[:num], outputs)
   for record, e in zip(records, split.examples[:num]):
-    if e.truncation is not None:
-      record.update(full_length=e.truncation.full_length, truncated=e.truncation.truncated)
+    facts = getattr(e, "truncation", None)  # a kind's own example type may record none
+    if facts is not None:
+      record.update(full_length=facts.full_length, truncated=facts.truncated)
   return {**metrics, "examples": num}, records
 
 
