@@ -14,8 +14,9 @@ Scale (the paper's 512 / 4,096 scaled down): segments of `segment` = 64 tokens, 
 `min_len`..`max_len` (96..320) characters of the bundled Wikipedia sample's text8 form (one id per
 character: ' ' and a..z are ids 10..36), rows of `max_length` = 384, the length buckets split at
 `bucket` = 128 tokens. The model: per seed ONE short tiny Longformer masked LM (2 layers, hidden
-64, one-sided window 32) whose `segment` + 2 learned positions are copied over the long table (the
-paper's recipe, `convert.roberta_to_longformer`'s `_copied_positions`) and whose global projections
+64, one-sided window 32) whose first `segment` learned positions (after RoBERTa's 2-row offset)
+are copied over the long table (the paper's recipe, `convert.roberta_to_longformer`'s
+`_copied_positions`) and whose global projections
 start as copies of the local ones; it is saved once and both arms start from that checkpoint.
 Unlike the paper's, it is not pretrained: both arms fine-tune the same random weights, so only the
 direction and where the gain lives compare with the paper, not the size.
@@ -358,6 +359,9 @@ def summarize_study(study: dict) -> dict:
           qa[g]["outcome"] in ("agree", "disagree") for g in GROUPS) else
       "a resolved difference (" + ", ".join(f"{g}: {qa[g]['outcome']}" for g in GROUPS) + ")")
       + " by where the evidence lies")
+  if qa["first_segment"]["outcome"] == "agree":
+    qa_note += (": Longformer is ahead where the first segment holds the evidence too, which "
+                "the baseline reads whole, so that gap is not one of reach")
   setup = study["setup"]
   study["verdict"] = (
       f"{where}. {qa_note}. " + "; ".join(parts) + f". Scale: segments of {setup['segment']} "
