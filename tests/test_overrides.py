@@ -142,6 +142,14 @@ def test_tuple_spellings(tiny, text):
   assert apply_overrides(tiny, [f"stages.0.windows={windows}"]).stages[0].windows == (8, 8, 8, 1)
 
 
+def test_one_value_of_a_tuple_of_any_length(tiny):
+  from longformer_jax.tasks.finetune import FinetuneOptions
+  assert apply_overrides(FinetuneOptions(), ["length_buckets=4096"]).length_buckets == (4096,)
+  assert apply_overrides(tiny, ["stages.0.windows=None"]).stages[0].windows is None
+  with pytest.raises(ValueError, match=r"mesh_shape='x': expected tuple\[int, \.\.\.\]"):
+    apply_overrides(tiny, ["mesh_shape=x"])
+
+
 def test_tuples_are_checked_and_indexed(small):
   cfg = apply_overrides(small, ["stages.0.windows=None", "mesh_shape.1=4",
                                 "stages.-1.windows.-1=4096", "mesh_shape=(-1, 2, 2)"])

@@ -11,7 +11,8 @@ Each value is parsed to the type its field declares (the dataclass annotations):
   bool       true/false, yes/no, 1/0 (any case)
   str        the text itself (quotes, if any, are removed)
   X | None   None, none or null; else an X
-  tuple      (1, 2), [1, 2] or 1,2; each element parsed to the element type
+  tuple      (1, 2), [1, 2] or 1,2 (one value: a tuple of one, when any length is allowed);
+             each element parsed to the element type
   dict       a dict literal
   Any        a Python literal, else the text (e.g. model.dtype=bfloat16)
 
@@ -252,6 +253,10 @@ def _coerce(value: Any, annotation: Any, text: str | None = None) -> Any:
   if origin is tuple:
     if isinstance(value, str) and text is not None and "," in value:  # 1,2,3 of names
       value = [_literal(piece.strip()) for piece in value.split(",") if piece.strip()]
+    args = typing.get_args(annotation)
+    if (text is not None and not isinstance(value, (tuple, list, dict)) and len(args) == 2
+        and args[1] is Ellipsis):
+      value = [value]  # one value of a tuple of any length: length_buckets=512
     if not isinstance(value, (tuple, list)):
       raise _Mismatch(top, annotation)
     args = typing.get_args(annotation)
