@@ -38,6 +38,7 @@ import argparse
 import dataclasses
 import importlib.util
 import json
+import math
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -68,6 +69,26 @@ def nonnegative_int(text: str) -> int:
   if value < 0:
     raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
   return value
+
+
+def add_step(parser: argparse.ArgumentParser) -> None:
+  """The --step input of the commands that read a run's checkpoint."""
+  parser.add_argument("--step", type=nonnegative_int, default=None,
+                      help="checkpoint step (default: latest)")
+
+
+def check_bounds(config: Any, lows: Mapping[str, int]) -> None:
+  """A command config's range checks: each named field, unless None, an int at least its low
+  bound (a ValueError naming the field and value otherwise)."""
+  for name, low in lows.items():
+    value = getattr(config, name)
+    if value is not None and value < low:
+      raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_learning_rate(value: float) -> None:
+  if not (value > 0 and math.isfinite(value)):
+    raise ValueError(f"learning_rate must be a finite number > 0, got {value}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,10 +58,8 @@ class BpcConfig:
   data_dir: str | None = None
 
   def __post_init__(self):
-    for name in ("context", "stride", "score_last", "batch_size", "max_bytes"):
-      value = getattr(self, name)
-      if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    settings.check_bounds(self, dict.fromkeys(
+        ("context", "stride", "score_last", "batch_size", "max_bytes"), 1))
     for name, known in (("protocol", ("sliding", "chunks")),
                         ("split", (None, "train", "validation", "test"))):
       if getattr(self, name) not in known:
@@ -80,8 +78,7 @@ FLAGS = {
 
 def _inputs(parser):
   parser.add_argument("--workdir", required=True, help="the training run's directory")
-  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
-                      help="checkpoint step (default: latest)")
+  settings.add_step(parser)
   parser.add_argument("--file", default=None, help="score this file's bytes instead of a split")
   parser.add_argument("--output", default=None, help="JSON path")
   parser.add_argument("--no-progress", action="store_true")

@@ -47,11 +47,8 @@ class ExportConfig:
   num_beams: int = 1
 
   def __post_init__(self):
-    for name, low in (("batch_size", 1), ("max_global", 0), ("num_choices", 1),
-                      ("max_length", 1), ("num_beams", 1)):
-      value = getattr(self, name)
-      if value is not None and value < low:
-        raise ValueError(f"{name} must be >= {low}, got {value}")
+    settings.check_bounds(self, dict(batch_size=1, max_global=0, num_choices=1, max_length=1,
+                                     num_beams=1))
     for n in self.seq_len:
       if n < 1:
         raise ValueError(f"seq_len: must be >= 1, got {n}")
@@ -73,8 +70,7 @@ def _inputs(parser):
   parser.add_argument("--workdir", required=True,
                       help="a training run or a model checkpoint directory")
   parser.add_argument("--out", required=True, help="the zip archive to write")
-  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
-                      help="checkpoint step (default: latest)")
+  settings.add_step(parser)
 
 
 COMMAND = settings.Command("eval.export", __doc__, ExportConfig, FLAGS, default=ExportConfig,

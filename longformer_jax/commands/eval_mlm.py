@@ -43,12 +43,7 @@ class MLMEvalConfig:
   seed: int = 0
 
   def __post_init__(self):
-    for name in ("max_tokens", "batch_size", "seq_len", "window"):
-      value = getattr(self, name)
-      if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    if self.seed < 0:
-      raise ValueError(f"seed must be >= 0, got {self.seed}")
+    settings.check_bounds(self, dict(max_tokens=1, batch_size=1, seq_len=1, window=1, seed=0))
     if self.split not in ("train", "validation", "test"):
       raise ValueError(f"split must be one of train, validation, test, got {self.split!r}")
 
@@ -65,8 +60,7 @@ def _inputs(parser):
   what = parser.add_mutually_exclusive_group(required=True)
   what.add_argument("--workdir", default=None, help="a train.mlm run")
   what.add_argument("--init", default=None, metavar="DIR", help="a pretrained model directory")
-  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
-                      help="checkpoint step (default: latest)")
+  settings.add_step(parser)
   parser.add_argument("--data", default=None, help="with --init: the text source")
   parser.add_argument("--tokenizer", default=None, help="with --init (default: --init's)")
   parser.add_argument("--output", default=None, help="JSON path")

@@ -51,8 +51,7 @@ FLAGS = {"max_new_tokens": "bytes to sample", "temperature": "0: greedy",
 def _inputs(parser):
   parser.add_argument("--workdir", required=True, help="the training run's directory")
   parser.add_argument("--prompt", required=True, help="text to continue (at least one byte)")
-  parser.add_argument("--step", type=settings.nonnegative_int, default=None,
-                      help="checkpoint step (default: latest)")
+  settings.add_step(parser)
 
 
 COMMAND = settings.Command("eval.sample", __doc__, SampleConfig, FLAGS, default=SampleConfig,

@@ -34,10 +34,10 @@ model, tokenizer, data file, mesh or workdir (one line, before training).
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
+from longformer_jax.cli import settings
 from longformer_jax.cli.settings import Command
 from longformer_jax.commands.run import Plan, TrainCommand
 from longformer_jax.tasks.finetune import KINDS, FinetuneOptions
@@ -65,14 +65,8 @@ class FinetuneConfig:
   def __post_init__(self):
     if self.task is not None and self.task not in KINDS:
       raise ValueError(f"task must be one of {tuple(KINDS)}, got {self.task!r}")
-    for name in ("max_length", "steps", "batch_size"):
-      value = getattr(self, name)
-      if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-      raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
-    if self.seed < 0:
-      raise ValueError(f"seed must be >= 0, got {self.seed}")
+    settings.check_bounds(self, dict(max_length=1, steps=1, batch_size=1, seed=0))
+    settings.check_learning_rate(self.learning_rate)
 
 
 FLAGS = {

@@ -41,10 +41,10 @@ workdir (one line, before training).
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from pathlib import Path
 
+from longformer_jax.cli import settings
 from longformer_jax.cli.settings import Command
 from longformer_jax.commands.run import Plan, TrainCommand
 
@@ -69,13 +69,10 @@ class Seq2SeqConfig:
   train_overrides: tuple[str, ...] = ()
 
   def __post_init__(self):
-    for name in ("max_source_length", "max_target_length", "steps", "batch_size", "num_beams",
-                 "max_new_tokens", "bart_positions", "bart_window"):
-      value = getattr(self, name)
-      if value is not None and value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
-      raise ValueError(f"learning_rate must be a finite number > 0, got {self.learning_rate}")
+    settings.check_bounds(self, dict.fromkeys(
+        ("max_source_length", "max_target_length", "steps", "batch_size", "num_beams",
+         "max_new_tokens", "bart_positions", "bart_window"), 1))
+    settings.check_learning_rate(self.learning_rate)
 
 
 FLAGS = {

@@ -41,7 +41,7 @@ from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
 from longformer_jax.data.tokenizer import SpecialIds, copy_tokenizer, encoding_errors
 from longformer_jax.tasks.coref_metrics import METRICS, coref_scores
-from longformer_jax.tasks.finetune_kinds import Kind, register
+from longformer_jax.tasks.finetune_kinds import SettingsKind, register
 
 __all__ = ["CorefExample", "CorefSettings", "CorefSplit", "Coreference", "document_words",
            "read_documents", "trivial_scores"]
@@ -216,7 +216,7 @@ def _featurise(document: coref_data.CorefDocument, line: int, tokenizer, special
 
 
 @register
-class Coreference(Kind):
+class Coreference(SettingsKind):
   """coref: CoNLL-2012 or jsonlines documents (the module docstring); LongformerForCoreference
   (its `CorefConfig` from the coref_* options) with no global attention by default. Records
   {"id" (the document key), "clusters" (predicted, word spans [start, end], end inclusive),
@@ -232,19 +232,7 @@ class Coreference(Kind):
       "coref_max_antecedents", "coref_ffnn_size", "coref_ffnn_depth", "coref_feature_size",
       "coref_use_speakers", "coref_dropout", "coref_mention_weight", "coref_segment_length")
 
-  def __init__(self, settings: CorefSettings = CorefSettings()):
-    self.run_settings = settings
-
-  # Kinds with the same settings are one kind (the evaluation's compiled function is cached by
-  # kind): each split read carries its run's settings.
-  def __eq__(self, other) -> bool:
-    return type(other) is type(self) and other.run_settings == self.run_settings
-
-  def __hash__(self) -> int:
-    return hash((type(self), self.run_settings))
-
-  def __repr__(self) -> str:
-    return f"Coreference({self.run_settings})"
+  settings_class = CorefSettings
 
   # Records.
 

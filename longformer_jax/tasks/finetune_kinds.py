@@ -243,6 +243,26 @@ class Kind(abc.ABC):
     return {}
 
 
+class SettingsKind(Kind):
+  """A kind whose splits carry their run's settings (`settings_class`, a frozen dataclass, made
+  from the options by its `of`): kinds with equal settings are one kind, since the evaluation's
+  compiled function is cached by kind (coreference, HotpotQA)."""
+
+  settings_class: ClassVar[type]
+
+  def __init__(self, settings: Any = None):
+    self.run_settings = self.settings_class() if settings is None else settings
+
+  def __eq__(self, other) -> bool:
+    return type(other) is type(self) and other.run_settings == self.run_settings
+
+  def __hash__(self) -> int:
+    return hash((type(self), self.run_settings))
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.run_settings})"
+
+
 KINDS: dict[str, Kind] = {}
 
 
@@ -927,6 +947,6 @@ def squad_scores(predictions: Sequence, golds: Sequence[Sequence], *, normalize:
 
 __all__ = [
     "Classification", "KINDS", "Kind", "MODEL_CLASSES", "MultipleChoice", "QuestionAnswering",
-    "Tagging", "best_spans", "get_kind", "macro_f1", "normalize_answer", "register",
+    "SettingsKind", "Tagging", "best_spans", "get_kind", "macro_f1", "normalize_answer", "register",
     "span_answer", "squad_scores", "tagging_scores",
 ]

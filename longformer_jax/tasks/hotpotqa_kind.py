@@ -42,7 +42,7 @@ from longformer_jax.data import text
 from longformer_jax.data.tokenizer import copy_tokenizer
 from longformer_jax.hotpotqa import LongformerForHotpotQA
 from longformer_jax.tasks import hotpotqa as pipeline
-from longformer_jax.tasks.finetune_kinds import Kind, register
+from longformer_jax.tasks.finetune_kinds import SettingsKind, register
 from longformer_jax.tasks.qa_metrics import HOTPOT_METRICS, hotpot_scores
 
 __all__ = ["HotpotExample", "HotpotQA", "HotpotSettings", "HotpotSplit", "trivial_scores"]
@@ -113,7 +113,7 @@ def _unprefix(batch, prefix: str) -> dict[str, Any]:
 
 
 @register
-class HotpotQA(Kind):
+class HotpotQA(SettingsKind):
   """hotpotqa: HotpotQA JSON records (the module docstring); LongformerForHotpotQA, both stages.
   Records {"id", "answer", "sp", "paragraphs" (the titles stage 1 chose)}."""
   name = "hotpotqa"
@@ -124,17 +124,7 @@ class HotpotQA(Kind):
   metrics = (*HOTPOT_METRICS, "paragraph_recall", "evidence_within_limit")
   option_fields: ClassVar[tuple[str, ...]] = ("hotpot_stage2_length",)
 
-  def __init__(self, settings: HotpotSettings = HotpotSettings()):
-    self.run_settings = settings
-
-  def __eq__(self, other) -> bool:
-    return type(other) is type(self) and other.run_settings == self.run_settings
-
-  def __hash__(self) -> int:
-    return hash((type(self), self.run_settings))
-
-  def __repr__(self) -> str:
-    return f"HotpotQA({self.run_settings})"
+  settings_class = HotpotSettings
 
   # Records.
 
