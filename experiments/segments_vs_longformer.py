@@ -209,14 +209,17 @@ def build_data(p: dict, root: Path, seed: int = 1234) -> dict:
 
 
 def short_model_made_long(p: dict, seed: int, path: Path) -> Path:
-  """Saves the seed's starting checkpoint: a tiny masked LM whose `segment` learned positions
-  (after RoBERTa's 2-row offset) are copied over a table for `max_length` tokens, its global
-  projections copies of the local ones (the paper's recipe). Returns `path`."""
+  """Saves the seed's starting checkpoint: a tiny masked LM (its vocabulary `p["vocab_size"]`
+  when the preset names one) whose `segment` learned positions (after RoBERTa's 2-row offset)
+  are copied over a table for `max_length` tokens, its global projections copies of the local
+  ones (the paper's recipe). Returns `path`."""
   from flax import nnx
   from longformer_jax import checkpoint, convert, modeling
   from longformer_jax.config import LongformerConfig
   offset = 2
-  config = LongformerConfig.tiny(max_position_embeddings=p["max_length"] + offset)
+  # A word-level task's vocabulary may outgrow the tiny preset's ("vocab_size" in the preset).
+  config = LongformerConfig.tiny(max_position_embeddings=p["max_length"] + offset,
+                                 **{k: p[k] for k in ("vocab_size",) if k in p})
   model = modeling.LongformerForMaskedLM(config, rngs=nnx.Rngs(seed))
   table = model.longformer.embeddings.position_embeddings.embedding
   short = np.asarray(table[...])[:offset + p["segment"]]
@@ -232,6 +235,18 @@ def short_model_made_long(p: dict, seed: int, path: Path) -> Path:
   return path
 
 
+def finetune(argv: Sequence[str], workdir: Path) -> dict:
+  """One `train.finetune` run in-process (its printing kept quiet, `--workdir` given in `argv`):
+  its results.json's "validation" block. RuntimeError with the run's output when it fails."""
+  from longformer_jax.commands import train_finetune
+  quiet = io.StringIO()
+  with contextlib.redirect_stdout(quiet):
+    status = train_finetune.main(list(argv))
+  if status != 0:
+    raise RuntimeError(f"train.finetune {' '.join(argv)} exited {status}: {quiet.getvalue()}")
+  return json.loads((workdir / "results.json").read_text())["validation"]
+
+
 def arm_arguments(p: dict, arm: str) -> list[str]:
   if arm == "longformer":
     return []
@@ -243,7 +258,6 @@ def run_arm(p: dict, task: str, arm: str, seed: int, start: Path, data: dict, wo
             log) -> dict:
   """One `train.finetune` run in-process; its results.json, read back with the per-example
   correctness split by where the evidence lies."""
-  from longformer_jax.commands import train_finetune
   files = data[task]
   prefix = "qa_" if task == "qa" else ""  # QA's own budget: both arms learn slower there
   argv = ["--task", task, "--model", str(start), "--train", str(files["train"]),
@@ -254,12 +268,7 @@ def run_arm(p: dict, task: str, arm: str, seed: int, start: Path, data: dict, wo
           "--length-buckets", str(p["bucket"]), "--no-progress",
           "--set", "model.attention_impl=reference", *arm_arguments(p, arm)]
   tick = time.perf_counter()
-  quiet = io.StringIO()
-  with contextlib.redirect_stdout(quiet):
-    status = train_finetune.main(argv)
-  if status != 0:
-    raise RuntimeError(f"train.finetune {' '.join(argv)} exited {status}: {quiet.getvalue()}")
-  results = json.loads((workdir / "results.json").read_text())["validation"]
+  results = finetune(argv, workdir)
   predictions = [json.loads(line) for line in
                  (workdir / "predictions_validation.jsonl").read_text().splitlines()]
   correct = {}
@@ -298,12 +307,38 @@ def _arm_stats(seeds, runs: Sequence[dict], pick) -> dict:
   return study_lib.summarize(seeds, [pick(r) for r in runs])
 
 
+def arm_entry(seeds: Sequence[int], runs: Sequence[dict]) -> dict:
+  """An arm's entry from its runs (one per seed, each {"value", "by_evidence": {group: {"value",
+  "examples"}}, "seconds"} and optionally "by_length" and "truncation", as `run_arm` returns
+  them): the per-seed values with their mean and sd, overall and per group and bucket."""
+  seeds = list(seeds)
+  groups = runs[0]["by_evidence"]
+  entry = {
+      **_arm_stats(seeds, runs, lambda r: r["value"]),
+      "by_evidence": {g: {**_arm_stats(seeds, runs, lambda r, g=g: r["by_evidence"][g]["value"]),
+                          "examples": runs[0]["by_evidence"][g]["examples"]} for g in groups}}
+  if "by_length" in runs[0]:
+    entry["by_length"] = {b: {"seeds": seeds, "values": [r["by_length"][b]["value"] for r in runs],
+                              "examples": runs[0]["by_length"][b]["examples"]}
+                          for b in runs[0]["by_length"]}
+    for bucket in entry["by_length"].values():
+      if bucket["examples"]:
+        bucket.update(study_lib.stats(bucket["values"]))
+  if "truncation" in runs[0]:
+    entry["truncation"] = runs[0]["truncation"]
+  entry["seconds"] = [round(r["seconds"], 1) for r in runs]
+  return entry
+
+
 def summarize_task(entry: dict) -> dict:
-  """The task's comparisons (overall, by evidence, by length bucket) from the per-seed values."""
+  """The task's comparisons (overall, by evidence, by length bucket when the arms have it) from
+  the per-seed values."""
   arms = entry["arms"]
   entry["comparisons"] = study_lib.compare(arms, CLAIMS, higher_is_better=True, design="paired")
   entry["detectable_difference"] = study_lib.power_summary(arms, entry["comparisons"], "paired")
   for split in ("by_evidence", "by_length"):
+    if split not in arms[ARMS[0]]:
+      continue
     groups = arms[ARMS[0]][split]
     entry[f"{split}_comparisons"] = {}
     for g in groups:
@@ -385,10 +420,11 @@ def plot(study: dict, path: Path) -> None:
   fig, axes = plt.subplots(1, len(tasks), figsize=(6 * len(tasks), 4.2), squeeze=False)
   width = 0.38
   for ax, (task, entry) in zip(axes[0], tasks.items()):
-    buckets = list(entry["arms"][ARMS[0]]["by_length"])
+    first = entry["arms"][ARMS[0]]
     columns = [("all", lambda a: a)] + [
-        (f"evidence {g.replace('_', ' ')}", lambda a, g=g: a["by_evidence"][g]) for g in GROUPS
-    ] + [(f"length {b}", lambda a, b=b: a["by_length"][b]) for b in buckets]
+        (f"evidence {g.replace('_', ' ')}", lambda a, g=g: a["by_evidence"][g])
+        for g in first["by_evidence"]
+    ] + [(f"length {b}", lambda a, b=b: a["by_length"][b]) for b in first.get("by_length", ())]
     for j, arm in enumerate(ARMS):
       for i, (_, pick) in enumerate(columns):
         values = [v for v in pick(entry["arms"][arm])["values"] if v is not None]
@@ -401,12 +437,16 @@ def plot(study: dict, path: Path) -> None:
                    edgecolor="black", s=16, zorder=3)
     if task == "classification":
       ax.axhline(0.5, color="gray", linestyle="--", linewidth=1, label="chance")
+    elif "trivial" in entry["data"]:  # a task's trivial predictor
+      ax.axhline(entry["data"]["trivial"], color="gray", linestyle="--", linewidth=1,
+                 label="trivial predictor")
     ax.set_xticks(range(len(columns)), [c[0] for c in columns], fontsize=8, rotation=15)
     ax.set_ylim(0, 1.05)
     ax.set_ylabel(f"held-out {entry['metric']}")
-    ax.set_title(f"{task}: segments of {study['setup']['segment']} vs rows of "
-                 f"{study['setup']['max_length']} ({len(study['setup']['seeds'])} seeds)",
-                 fontsize=10)
+    # A task's own scale when the study's tasks differ in it, else the study's.
+    scale = {k: entry["data"].get(k, study["setup"].get(k)) for k in ("segment", "max_length")}
+    ax.set_title(f"{task}: segments of {scale['segment']} vs rows of {scale['max_length']} "
+                 f"({len(study['setup']['seeds'])} seeds)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
   fig.tight_layout()
@@ -434,20 +474,7 @@ def run(args, p: dict, log, start: float) -> dict:
                                          root / f"{task}_{arm}_{seed}", log))
   tasks = {}
   for task in TASKS:
-    arms = {}
-    for arm, rs in runs[task].items():
-      arms[arm] = {
-          **_arm_stats(seeds, rs, lambda r: r["value"]),
-          "by_evidence": {g: {**_arm_stats(seeds, rs, lambda r, g=g: r["by_evidence"][g]["value"]),
-                              "examples": rs[0]["by_evidence"][g]["examples"]} for g in GROUPS},
-          "by_length": {b: {"seeds": seeds, "values": [r["by_length"][b]["value"] for r in rs],
-                            "examples": rs[0]["by_length"][b]["examples"]}
-                        for b in rs[0]["by_length"]},
-          "truncation": rs[0]["truncation"],
-          "seconds": [round(r["seconds"], 1) for r in rs]}
-      for entry in arms[arm]["by_length"].values():
-        if entry["examples"]:
-          entry.update(study_lib.stats(entry["values"]))
+    arms = {arm: arm_entry(seeds, rs) for arm, rs in runs[task].items()}
     tasks[task] = {"metric": METRICS[task], "arms": arms,
                    "data": {"first_segment_share": data[task]["first_segment_share"],
                             "first_segment_capacity": first_segment_capacity(p, task)}}

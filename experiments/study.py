@@ -93,15 +93,19 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
   return args
 
 
-def parse_preset(doc: str, study: str, argv: Sequence[str] | None, presets: dict[str, dict]
+def parse_preset(doc: str, study: str, argv: Sequence[str] | None, presets: dict[str, dict],
+                 arguments: Callable[[argparse.ArgumentParser], None] | None = None
                  ) -> tuple[argparse.Namespace, dict]:
   """The common arguments (`make_parser`, `parse_args`) of a study whose sizes are dicts, and a
-  copy of the preset the command line picked (`args.size_name`), its "steps" set by --steps."""
+  copy of the preset the command line picked (`args.size_name`), its "steps" set by --steps.
+  `arguments(parser)` adds the study's own arguments."""
   parser = make_parser(
       doc, study, device_help="size preset: cpu (default, 2 cores) or gpu (bigger); cpu also "
                               "pins JAX to the CPU",
       replot_help="no training: recompute the comparisons, verdict and PNG from the per-seed "
                   "values in the JSON at --out")
+  if arguments is not None:
+    arguments(parser)
   args = parse_args(parser, argv)
   p = dict(presets[args.size_name])
   if args.steps is not None:

@@ -709,9 +709,11 @@ def kind_params(kind: Kind, source: ModelSource, model: nnx.Module, *, seed: int
   Raises ValueError when `model`'s vocabulary has no room for the markers (`fit_head` sizes it).
   """
   from longformer_jax import convert
-  added = model.config.vocab_size - source.config.vocab_size
   if not kind.new_tokens or source.model_class == kind.model_class.__name__:
     return initial_params(source, model)
+  # (After the return above: a kind without markers may have a config of its own, as
+  # coreference's CorefConfig, with no vocab_size.)
+  added = model.config.vocab_size - source.config.vocab_size
   if added != len(kind.new_tokens):
     raise ValueError(f"task {kind.name!r} adds the tokens {list(kind.new_tokens)} to the "
                      f"vocabulary: the model needs vocab_size={source.config.vocab_size} + "
