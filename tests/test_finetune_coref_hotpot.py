@@ -73,6 +73,13 @@ def test_coref_trains_saves_and_evaluates_again(coref_files, tmp_path, capsys):
   for split in ("validation", "test"):
     assert names <= set(results[split]) and results[split]["examples"] == 2
     assert all(0.0 <= results[split][k] <= 1.0 for k in names)
+    # What the limit cut: the common block and coreference's own keys, and metrics by length.
+    block = results[split]["truncation"]
+    assert set(block) == {"max_length", "examples", "examples_truncated", "document_tokens_kept",
+                          "evidence_within_limit", "mentions_within_limit",
+                          "links_within_limit"}
+    assert block["max_length"] == 64 and block["examples"] == 2
+    assert sum(b["examples"] for b in results[split]["by_length"].values()) == 2
   # The jsonlines and the CoNLL file hold the same documents: the same scores.
   assert results["validation"] == results["test"]
   with open(workdir / "predictions_test.jsonl") as f:
@@ -83,6 +90,20 @@ def test_coref_trains_saves_and_evaluates_again(coref_files, tmp_path, capsys):
   with open(workdir / "run_config.json") as f:
     data = json.load(f)["data"]
   assert data["coref_ffnn_size"] == 16 and data["coref_mention_weight"] == 1.0
+  assert "coref_segment_length" not in data and "baseline" not in data
+  # A run recorded when the segment reading was coref_segment_length is read as the segment
+  # baseline it was (a record without checkpoints: nothing to check it against).
+  legacy = tmp_path / "legacy"
+  legacy.mkdir()
+  with open(workdir / "run_config.json") as f:
+    record = json.load(f)
+  record["data"]["coref_segment_length"] = 32
+  (legacy / "run_config.json").write_text(json.dumps(record))
+  _, options, _ = ft.run_settings(legacy, "coref")
+  assert (options.baseline, options.segment_length) == ("segments", 32)
+  record["data"]["coref_segment_length"] = None
+  (legacy / "run_config.json").write_text(json.dumps(record))
+  assert ft.run_settings(legacy, "coref")[1].baseline == "longformer"
   capsys.readouterr()
 
   # --eval-only restores the head's settings from the run and scores the same numbers; the
@@ -149,17 +170,25 @@ def test_coref_settings_are_checked(coref_files):
   with pytest.raises(ValueError, match="hotpot_sp_threshold must be in"):
     ft.FinetuneOptions(hotpot_sp_threshold=1.5)
   kind = ft.get_kind("coref")
-  with pytest.raises(ValueError, match="coref_segment_length=24 must divide max_length=64"):
-    kind.read_split(coref_files["dev"]["conll"], None, max_length=64, specials=SPECIALS,
-                    vocab_size=512, options=ft.FinetuneOptions(coref_segment_length=24))
+  # The segment settings coreference cannot read, named.
+  for changes, message in (({"segment_length": 24}, "segment_length=24 must divide max_length=64"),
+                           ({"segment_length": 32, "segment_overlap": 8},
+                            "segment_overlap=8: --task coref reads segments that share no"),
+                           ({"segment_length": 32, "segment_pool": "mean"},
+                            "segment_pool='mean' pools classification segments")):
+    with pytest.raises(ValueError, match=message):
+      kind.read_split(coref_files["dev"]["conll"], None, max_length=64, specials=SPECIALS,
+                      vocab_size=512, options=ft.FinetuneOptions(baseline="segments", **changes))
   # A split's kind carries the run's settings; kinds with equal settings are equal (the
   # evaluation's compiled function is cached by kind).
   tokenizer = Tokenizer.from_file(coref_files["tokenizer"])
   read = lambda **changes: kind.read_split(
       coref_files["dev"]["conll"], tokenizer, max_length=64, specials=SPECIALS, vocab_size=512,
       options=ft.FinetuneOptions(**changes))
-  segmented = read(coref_segment_length=32, coref_mention_weight=0.5).kind
+  segmented = read(baseline="segments", segment_length=32, coref_mention_weight=0.5).kind
   assert segmented.run_settings == coref_kind.CorefSettings(mention_weight=0.5, segment_length=32)
+  # segment_length alone (the Longformer's baseline) reads whole rows.
+  assert read(segment_length=32).kind.run_settings.segment_length is None
   assert read().kind == kind and hash(read().kind) == hash(kind) and segmented != kind
 
 
@@ -191,9 +220,12 @@ def test_hotpotqa_trains_both_stages_and_evaluates_two_stage(hotpot_files, tmp_p
                    files["dev"], "--max-length", "128", "--set", "hotpot_stage2_length=96",
                    *_SMALL]) == 0
   results = _results(workdir)
-  names = {"em", "f1", "sp_em", "sp_f1", "joint_em", "joint_f1", "paragraph_recall",
-           "evidence_within_limit"}
+  names = {"em", "f1", "sp_em", "sp_f1", "joint_em", "joint_f1", "paragraph_recall"}
   assert names <= set(results["test"]) and results["test"]["examples"] == 3
+  block = results["test"]["truncation"]
+  assert block["max_length"] == 128 and block["examples"] == 3
+  assert 0.0 <= block["evidence_within_limit"] <= 1.0
+  assert sum(b["examples"] for b in results["test"]["by_length"].values()) == 3
   with open(workdir / "predictions_test.json") as f:
     official = json.load(f)
   ids = [r.id for r in hq.read_hotpotqa(files["dev"])]
@@ -244,20 +276,28 @@ def test_trivial_hotpot_predictor(hotpot_files):
 
 
 def test_coref_segment_baseline_reads_rows_in_segments(coref_files):
-  """coref_segment_length: the encoder reads each row as independent segments (with global
-  attention on <s> too): a finite loss, not the whole row's."""
+  """--baseline segments --segment-length 32: the encoder reads each row as independent segments
+  (with global attention on <s> too): a finite loss, not the whole row's, and the run records
+  the baseline's settings."""
   from flax import nnx
   tokenizer = Tokenizer.from_file(coref_files["tokenizer"])
   config = LongformerConfig.tiny(num_hidden_layers=1, attention_impl="reference")
   losses = []
-  for segment in (None, 32):
-    options = ft.FinetuneOptions(coref_segment_length=segment, coref_ffnn_size=16,
+  for baseline in ("longformer", "segments"):
+    options = ft.FinetuneOptions(baseline=baseline, segment_length=32, coref_ffnn_size=16,
                                  coref_max_span_width=4, coref_feature_size=4,
                                  coref_max_antecedents=6, coref_dropout=0.0)
     split = ft.get_kind("coref").read_split(
         coref_files["dev"]["conll"], tokenizer, max_length=64, specials=SPECIALS,
         vocab_size=config.vocab_size, options=options)
-    model = split.kind.build_model(config, options, rngs=nnx.Rngs(0))
-    batch = split.kind.batch(split, [0, 1], global_attention="first", specials=SPECIALS)
-    losses.append(float(split.kind.loss(model, batch, 1)))
+    task = ft.FinetuneTask("coref", split, global_attention="first", options=options)
+    # Coreference reads its segments itself: the task's reading is its kind.
+    assert task.reading is task.kind == split.kind
+    assert task.kind.run_settings.segment_length == (32 if baseline == "segments" else None)
+    identity = task.data_identity(None)
+    assert "coref_segment_length" not in identity
+    assert identity.get("segment_length") == (32 if baseline == "segments" else None)
+    model = task.build_model(config, nnx.Rngs(0))
+    batch = task.reading.batch(split, [0, 1], global_attention="first", specials=SPECIALS)
+    losses.append(float(task.reading.loss(model, batch, 1)))
   assert all(np.isfinite(losses)) and losses[0] != losses[1], losses

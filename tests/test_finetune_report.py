@@ -178,3 +178,145 @@ def test_length_buckets_are_checked():
   for bad in ((), (0,), (512, 512), ("512",), 512):
     with pytest.raises(ValueError, match="length_buckets must be distinct ints >= 1"):
       ft.FinetuneOptions(length_buckets=bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# Coreference and HotpotQA: their own files, the same block
+
+
+def _word_tokenizer(words, extra=(), pre=None):
+  vocab = {t: i for i, t in enumerate(["<s>", "<pad>", "</s>", "<unk>", *extra, *words])}
+  tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre or pre_tokenizers.WhitespaceSplit()
+  return tokenizer
+
+
+def _coref_split(tmp_path, **options):
+  """Four jsonlines documents of words w0 w1 ..., one token each, read at max_length 12: the row
+  keeps words 0..9 (a mention is kept when it ends before word 10)."""
+  documents = [
+      # 20 words: 3 of 5 mentions kept; links (0,0)<-(3,4) kept, (3,4)<-(12,12) and
+      # (5,6)<-(9,10) not (the last mention of each ends past word 9).
+      (20, [[[0, 0], [3, 4], [12, 12]], [[5, 6], [9, 10]]]),
+      # 8 words, whole: 2 mentions, 1 link, all kept.
+      (8, [[[1, 1], [4, 5]]]),
+      # 15 words: (3,4) is kept but its antecedent (2,11) is not (nested: it starts earlier and
+      # ends past the cut); (6,7) kept, (13,14) not: 2 of 4 mentions, 0 of 2 links.
+      (15, [[[2, 11], [3, 4]], [[6, 7], [13, 14]]]),
+      # 12 words and no mention: cut, no evidence.
+      (12, []),
+  ]
+  path = tmp_path / "coref.jsonlines"
+  path.write_text("".join(json.dumps({
+      "doc_key": f"nw/{k}", "sentences": [[f"w{i}" for i in range(n)]],
+      "sentence_map": [0] * n, "subtoken_map": list(range(n)), "clusters": clusters}) + "\n"
+      for k, (n, clusters) in enumerate(documents)))
+  tokenizer = _word_tokenizer([f"w{i}" for i in range(20)])
+  return ft.get_kind("coref").read_split(path, tokenizer, max_length=12, specials=_SPECIALS,
+                                         vocab_size=512, options=ft.FinetuneOptions(**options))
+
+
+def _coref_oracle(split, m=8):
+  """Each kept gold mention linked to the previous one of its cluster (row positions)."""
+  outputs = {name: np.zeros((len(split), m), np.int32) for name in ("starts", "ends")}
+  outputs["links"] = np.full((len(split), m), -1, np.int32)
+  outputs["span_mask"] = np.zeros((len(split), m), bool)
+  for row, e in enumerate(split.examples):
+    last = {}
+    for i, ((s, t), c) in enumerate(sorted((s, c) for c, cluster in enumerate(e.gold_row)
+                                           for s in cluster)):
+      outputs["starts"][row, i], outputs["ends"][row, i] = s, t
+      outputs["span_mask"][row, i] = True
+      outputs["links"][row, i] = last.get(c, -1)
+      last[c] = i
+  return outputs
+
+
+def test_coref_block_counts_mentions_and_links_kept(tmp_path):
+  split = _coref_split(tmp_path)
+  outputs = _coref_oracle(split)
+  report = ft.length_report(split, len(split), outputs, length_buckets=(12,))
+  assert report["truncation"] == {
+      "max_length": 12, "examples": 4, "examples_truncated": 3 / 4,
+      "document_tokens_kept": (10 + 8 + 10 + 10) / (20 + 8 + 15 + 12),
+      # Documents with every gold mention kept, among those with one.
+      "evidence_within_limit": 1 / 3,
+      "mentions_within_limit": (3 + 2 + 2) / (5 + 2 + 4),
+      "links_within_limit": (1 + 1 + 0) / (3 + 1 + 2)}
+  # full_length: the words and <s>, </s>; the 8-word document alone needs at most 12.
+  assert [e.truncation.full_length for e in split.examples] == [22, 10, 17, 14]
+  buckets = report["by_length"]
+  assert [buckets[k]["examples"] for k in ("<=12", ">12")] == [1, 3]
+  # CoNLL F1 is summed over each bucket's documents: the oracle of the whole short document
+  # scores 1, the long ones miss the mentions cut away.
+  assert buckets["<=12"]["conll_f1"] == 1.0 and buckets[">12"]["muc_r"] < 1.0
+  metrics, records = ft.score(split, outputs)
+  assert "mentions_within_limit" not in metrics  # said once, in the block
+  assert [(r["full_length"], r["truncated"]) for r in records] == [
+      (22, True), (10, False), (17, True), (14, True)]
+  # The segment baseline's segments read what the row keeps: the same block.
+  segments = _coref_split(tmp_path, baseline="segments", segment_length=4)
+  assert segments.kind.run_settings.segment_length == 4
+  assert ft.length_report(segments, 4, outputs)["truncation"] == report["truncation"]
+
+
+def _hotpot_record(i, question, context, facts):
+  return {"_id": f"r{i}", "question": question, "answer": "yes", "type": "comparison",
+          "supporting_facts": facts, "context": context}
+
+
+def test_hotpotqa_block_counts_supporting_sentences_in_stage_1(tmp_path):
+  # Stage 1's row: <s> [q] question [/q] ([p] title ([s] sentence)...)... </s>; max_length 24
+  # leaves 23 positions before </s>, and a paragraph ends the row at its first sentence that
+  # does not fit. One token per word.
+  records = [
+      # 5 + 2 + 3 + 2 + 2 + 4 = 18 positions: whole; 8 document tokens (titles and words).
+      _hotpot_record(0, "q1 q2", [["A", ["a1 a2", "a3"]], ["B", ["b1 b2 b3"]]],
+                     [["A", 0], ["B", 0]]),
+      # 5 + [p] C [s] c1..c6 [s] c7 c8 = 17; [p] D [s] d1..d7 needs 10 more: D is lost with its
+      # supporting sentence. Kept 9 of 17 document tokens.
+      _hotpot_record(1, "q1 q2", [["C", ["c1 c2 c3 c4 c5 c6", "c7 c8"]],
+                                  ["D", ["d1 d2 d3 d4 d5 d6 d7"]]], [["C", 1], ["D", 0]]),
+      # 6 + [p] E [s] e1 e2 [s] e3 e4 + [p] F [s] f1 = 18; F's second sentence (10) is lost, the
+      # supporting ones are kept. Kept 7 of 16 document tokens.
+      _hotpot_record(2, "q1 q2 q3", [["E", ["e1 e2", "e3 e4"]],
+                                     ["F", ["f1", "f2 f3 f4 f5 f6 f7 f8 f9 f10"]]],
+                     [["E", 0], ["F", 0]]),
+      # A question of 4 tokens cut to max_question_length 3; the paragraphs whole (4 tokens).
+      _hotpot_record(3, "q1 q2 q3 q4", [["G", ["g1"]], ["H", ["h1"]]], [["G", 0], ["H", 0]]),
+  ]
+  path = tmp_path / "hotpot.json"
+  path.write_text(json.dumps(records))
+  pre = pre_tokenizers.Whitespace()
+  words = sorted({w for r in records for t in (r["question"], *(x for title, s in r["context"]
+                                                                 for x in (title, *s)))
+                  for w, _ in pre.pre_tokenize_str(t)})
+  from longformer_jax.data import hotpotqa as hq
+  tokenizer = _word_tokenizer(words, hq.MARKER_TOKENS, pre)
+  split = ft.get_kind("hotpotqa").read_split(
+      path, tokenizer, max_length=24, specials=_SPECIALS, vocab_size=512,
+      options=ft.FinetuneOptions(max_question_length=3))
+  assert [e.stage1.truncation.document_tokens_kept for e in split.examples] == [8, 9, 7, 4]
+  # Answers: yes, no, yes, no against "yes" gold; evidence: the first supporting sentence.
+  answers = np.array(["yes", "no", "yes", "no"], object)
+  facts = np.empty(4, object)
+  for i, r in enumerate(records):
+    facts[i] = [list(r["supporting_facts"][0])]
+  outputs = {"answer": answers, "sp": facts, "chosen": np.array([[0, 1]] * 4, np.int32)}
+  report = ft.length_report(split, 4, outputs, length_buckets=(20,))
+  assert report["truncation"] == {
+      "max_length": 24, "examples": 4, "examples_truncated": 3 / 4,
+      "document_tokens_kept": (8 + 9 + 7 + 4) / (8 + 17 + 16 + 4),
+      "evidence_within_limit": 3 / 4}
+  # Uncut: <s> [q] question [/q] </s>, a marker per title and sentence, the document tokens.
+  assert [e.truncation.full_length for e in split.examples] == [
+      4 + 2 + 5 + 8, 4 + 2 + 5 + 17, 4 + 3 + 6 + 16, 4 + 4 + 4 + 4]
+  metrics, records_out = ft.score(split, outputs)
+  assert "evidence_within_limit" not in metrics  # said once, in the block
+  assert [(r["full_length"], r["truncated"]) for r in records_out] == [
+      (19, False), (28, True), (29, True), (16, True)]
+  buckets = report["by_length"]
+  assert [buckets[k]["examples"] for k in ("<=20", ">20")] == [2, 2]  # records 0, 3; 1, 2
+  assert buckets["<=20"]["em"] == 0.5 and buckets[">20"]["em"] == 0.5
+  for name in ("em", "sp_f1", "joint_f1"):  # means over records: they recombine
+    assert truncation.recombine(buckets, name) == pytest.approx(metrics[name], rel=1e-12)

@@ -197,9 +197,6 @@ def test_hand_layout_answer_spans_and_truncation_facts():
       supporting_kept=1, answer_occurrences=1, question_tokens=3, question_kept=2,
       document_tokens=17, document_tokens_kept=11, full_length=32)
   assert not cut.truncation.complete
-  block = hq.truncation_block([full, cut], 24)
-  assert block == {"max_length": 24, "examples": 2, "examples_truncated": 0.5,
-                   "document_tokens_kept": 28 / 34, "evidence_within_limit": 0.0}
   assert cut.attention_mask.sum() == 22 and cut.input_ids[21] == SPECIALS.eos
   assert cut.sentences == (("A", 0), ("A", 1), ("B", 0))
   assert cut.paragraph_mask.tolist() == [1, 1, 0] and cut.sentence_mask.tolist() == [1, 1, 1, 0, 0]

@@ -63,8 +63,9 @@ class Truncation:
   prefix_cut: the question lost tokens (max_question_length or the row's room).
   evidence: the evidence lies wholly inside what was kept (QA: an answer occurrence inside the
     kept context; multiple choice: the answer candidate inside the kept document; tagging: the
-    first token of every word); None where the record has none (classification, a candidate
-    the document never names).
+    first token of every word; coreference: every gold mention; HotpotQA: every supporting
+    sentence); None where the record has none (classification, a candidate the document never
+    names, a document without a gold mention or supporting fact).
   """
   full_length: int
   document_tokens: int

@@ -42,7 +42,6 @@ __all__ = [
     "MARKER_TOKENS", "QUESTION_TYPES", "HotpotRecord", "Layout", "MarkerIds", "Truncation",
     "answer_text", "build_layout", "gold_paragraphs", "paragraph_scores", "parse_records",
     "question_type", "read_hotpotqa", "select_paragraphs", "stack_layouts", "tokenizer_encoder",
-    "truncation_block",
 ]
 
 # The new vocabulary entries of the layout, in MarkerIds' field order.
@@ -608,22 +607,6 @@ def select_paragraphs(scores: Sequence[float], k: int = 2) -> list[int]:
   scores = np.asarray(scores, np.float64)
   order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
   return sorted(order[:k])
-
-
-def truncation_block(layouts: Sequence[Layout], max_length: int) -> dict[str, Any]:
-  """What the length limit did to a split's rows, the fine-tuning results' "truncation" block:
-  {"max_length", "examples", "examples_truncated" (the fraction with a question or document
-  token cut), "document_tokens_kept" (kept title and sentence tokens over all of them),
-  "evidence_within_limit" (the fraction whose supporting sentences are all in the row)}."""
-  if not layouts:
-    raise ValueError("truncation_block needs at least one layout")
-  facts = [x.truncation for x in layouts]
-  document = sum(t.document_tokens for t in facts)
-  return {"max_length": max_length, "examples": len(facts),
-          "examples_truncated": float(np.mean([not t.complete for t in facts])),
-          "document_tokens_kept": (sum(t.document_tokens_kept for t in facts) / document
-                                   if document else 1.0),
-          "evidence_within_limit": float(np.mean([t.evidence_within_limit for t in facts]))}
 
 
 # ----------------------------------------------------------------------------------------------

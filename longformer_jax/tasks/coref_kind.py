@@ -14,10 +14,16 @@ Gold mentions kept whole by the cut are the training targets; scoring is against
 document's gold (a mention cut away counts as missed), with predicted spans mapped back to words
 (first token's word to last token's word).
 
+The segment baseline (`FinetuneOptions` baseline "segments", Joshi et al.'s reading): the encoder
+reads the row as max_length / segment_length independent segments (positions restart, no `<s>`
+added per segment), the head the stitched states; the segments read exactly what the row keeps.
+segment_length must divide max_length; segment_overlap and segment_pool="mean" are refused.
+
 Metrics (fractions in [0, 1], each over the split's documents, numerators and denominators
 summed): muc_p, muc_r, muc_f1, b3_p, b3_r, b3_f1, ceafe_p, ceafe_r, ceafe_f1, conll_f1 (the mean
-of the three F1s), and mentions_within_limit (the gold mentions a row holds, over all).
-Settings: the `coref_*` fields of `finetune.FinetuneOptions`.
+of the three F1s). What the cut lost is each document's `fd.Truncation` (evidence: every gold
+mention kept) and the split's `truncation_extras`: mentions_within_limit and links_within_limit.
+Settings: the `coref_*` fields of `finetune.FinetuneOptions`, and its baseline settings.
 
 Shape letters: B documents, N row positions, G gold mention slots, M kept spans, K antecedents.
 """
@@ -53,7 +59,8 @@ _JSONLINES_SUFFIXES = (".jsonlines", ".jsonl")
 
 @dataclasses.dataclass(frozen=True)
 class CorefSettings:
-  """What of the run's `FinetuneOptions` the kind's steps read (from its coref_* fields)."""
+  """What of the run's `FinetuneOptions` the kind's steps read (from its coref_* fields;
+  segment_length from baseline "segments", None for whole rows)."""
   mention_weight: float = 0.0
   segment_length: int | None = None
   singletons: bool = True
@@ -61,7 +68,8 @@ class CorefSettings:
   @classmethod
   def of(cls, options) -> CorefSettings:
     return cls(mention_weight=float(options.coref_mention_weight),
-               segment_length=options.coref_segment_length,
+               segment_length=(options.segment_length if options.baseline == "segments"
+                               else None),
                singletons=options.coref_singletons)
 
 
@@ -74,7 +82,11 @@ class CorefExample:
   gold_words: the document's gold clusters in word spans (what predictions are scored against).
   gold_row: the gold clusters in row positions, mentions the cut kept whole (training targets).
   genre: the genre id (`coref.genre_id` of the key). mentions, mentions_kept: gold mentions in
-  the document and in the row.
+  the document and those the row keeps whole. links, links_kept: gold links (each mention after
+  the first of its cluster with its closest preceding mention, in (start, end) order) in the
+  document and those with both mentions kept.
+  truncation: what the cut lost (`fd.Truncation`: no question; evidence, every gold mention
+  kept, None for a document without one).
   """
   line: int
   input_ids: np.ndarray
@@ -86,6 +98,9 @@ class CorefExample:
   genre: int
   mentions: int
   mentions_kept: int
+  links: int
+  links_kept: int
+  truncation: fd.Truncation
 
   def global_lengths(self, mode: str) -> tuple[int, ...]:
     """"first": `<s>` global; "none": no global token (the paper's coreference setting)."""
@@ -208,11 +223,34 @@ def _featurise(document: coref_data.CorefDocument, line: int, tokenizer, special
     if spans:
       gold_row.append(tuple(spans))
   mentions = sum(len(c) for c in clusters)
+  mentions_kept = sum(len(c) for c in gold_row)
+  kept = lambda span: bool(last_token[span[1]] < keep)
+  links = [(a, b) for cluster in clusters for a, b in zip(sorted(cluster), sorted(cluster)[1:])]
   return CorefExample(
       line=line, input_ids=row, sentence_ids=sentence_ids, speaker_ids=speaker_ids,
       token_words=token_words, gold_words=tuple(tuple(c) for c in clusters),
       gold_row=tuple(gold_row), genre=coref_lib.genre_id(document.doc_key),
-      mentions=mentions, mentions_kept=sum(len(c) for c in gold_row))
+      mentions=mentions, mentions_kept=mentions_kept, links=len(links),
+      links_kept=sum(kept(a) and kept(b) for a, b in links),
+      truncation=fd.Truncation(full_length=len(ids) + 2, document_tokens=len(ids),
+                               kept_tokens=keep,
+                               evidence=mentions_kept == mentions if mentions else None))
+
+
+def _check_segments(options, max_length: int) -> None:
+  """ValueError naming the segment setting coreference cannot read (module docstring)."""
+  segment = options.segment_length
+  if max_length % segment:
+    raise ValueError(f"segment_length={segment} must divide max_length={max_length} (--task "
+                     f"coref --baseline segments reads the row as max_length / segment_length "
+                     f"segments)")
+  if options.segment_overlap:
+    raise ValueError(f"segment_overlap={options.segment_overlap}: --task coref reads segments "
+                     f"that share no token (Joshi et al.'s independent segments); use "
+                     f"segment_overlap=0")
+  if options.segment_pool != "first":
+    raise ValueError(f"segment_pool={options.segment_pool!r} pools classification segments; "
+                     f"--task coref pools none (leave segment_pool at 'first')")
 
 
 @register
@@ -225,12 +263,12 @@ class Coreference(SettingsKind):
   model_class = coref_lib.LongformerForCoreference
   default_global = "none"
   required = {}
-  metrics = (*(f"{m}_{x}" for m in METRICS for x in ("p", "r", "f1")), "conll_f1",
-             "mentions_within_limit")
+  metrics = (*(f"{m}_{x}" for m in METRICS for x in ("p", "r", "f1")), "conll_f1")
   option_fields: ClassVar[tuple[str, ...]] = (
       "coref_max_span_width", "coref_top_span_ratio", "coref_max_top_spans",
       "coref_max_antecedents", "coref_ffnn_size", "coref_ffnn_depth", "coref_feature_size",
-      "coref_use_speakers", "coref_dropout", "coref_mention_weight", "coref_segment_length")
+      "coref_use_speakers", "coref_dropout", "coref_mention_weight")
+  reads_segments = True
 
   settings_class = CorefSettings
 
@@ -243,14 +281,13 @@ class Coreference(SettingsKind):
   def read_split(self, path, tokenizer, *, max_length, specials, vocab_size, options,
                  label_names=None):
     """The documents of `path` (`read_documents`) as rows of max_length tokens; the split's
-    kind carries the run's settings (`CorefSettings.of(options)`)."""
+    kind carries the run's settings (`CorefSettings.of(options)`). Under baseline "segments"
+    ValueError for a segment setting the kind cannot honour (module docstring)."""
     del label_names
     if not isinstance(max_length, int) or max_length < 8:
       raise ValueError(f"max_length must be an int >= 8, got {max_length!r}")
-    segment = options.coref_segment_length
-    if segment is not None and max_length % segment:
-      raise ValueError(f"coref_segment_length={segment} must divide max_length={max_length} "
-                       f"(the row is read as max_length / coref_segment_length segments)")
+    if options.baseline == "segments":
+      _check_segments(options, max_length)
     if tokenizer is None:
       raise ValueError(f"{os.fspath(path)}: coreference documents are words: give a tokenizer "
                        f"(--tokenizer)")
@@ -265,6 +302,16 @@ class Coreference(SettingsKind):
         kind=type(self)(CorefSettings.of(options)), path=path, sha256=text.file_sha256(path),
         ids=tuple(d.doc_key for d in documents), examples=examples, max_length=max_length,
         by_text=True, max_mentions=max([1, *(e.mentions_kept for e in examples)]))
+
+  def truncation_extras(self, examples):
+    """mentions_within_limit (gold mentions kept whole over all gold mentions) and
+    links_within_limit (gold links with both mentions kept over all gold links), counts summed
+    over the documents; None when there is none."""
+    ratio = lambda kept, total: kept / total if total else None
+    return {"mentions_within_limit": ratio(sum(e.mentions_kept for e in examples),
+                                           sum(e.mentions for e in examples)),
+            "links_within_limit": ratio(sum(e.links_kept for e in examples),
+                                        sum(e.links for e in examples))}
 
   def build_model(self, config, options, *, rngs, mesh=None, seq_axis=None):
     """LongformerForCoreference on `config` with the head of the coref_* options."""
@@ -354,9 +401,6 @@ class Coreference(SettingsKind):
                           singletons=self.run_settings.singletons)
     metrics = {f"{m}_{x}": scores[m][x] for m in METRICS for x in ("p", "r", "f1")}
     metrics["conll_f1"] = scores["conll_f1"]
-    total = sum(e.mentions for e in examples)
-    metrics["mentions_within_limit"] = (sum(e.mentions_kept for e in examples) / total
-                                        if total else 1.0)
     records = [{"id": i, "clusters": [[list(s) for s in c] for c in p],
                 "gold": [[list(s) for s in c] for c in g]}
                for i, p, g in zip(ids, predictions, golds)]

@@ -83,7 +83,8 @@ class FinetuneOptions:
     most B tokens uncut ("<=B") and the others (">B"), for each B (evaluation only).
   baseline: "longformer" (the encoder reads each example's row whole) or "segments" (the
     paper's segment baseline: the same kept tokens read in segments of `segment_length` tokens,
-    each a row of its own, `longformer_jax.tasks.finetune_segments`).
+    each a row of its own, `longformer_jax.tasks.finetune_segments`; coreference reads its row
+    in independent segments of `segment_length` tokens itself, `coref_kind`).
   segment_length: baseline "segments": the tokens of a segment's row, special tokens and the
     question included (at most the model's positions; 512 for a RoBERTa).
   segment_overlap: baseline "segments": document tokens consecutive segments share (each
@@ -93,9 +94,8 @@ class FinetuneOptions:
   coref_*: coreference (`longformer_jax.tasks.coref_kind`): the head's `CorefConfig` fields
     max_span_width, top_span_ratio, max_top_spans, max_antecedents, ffnn_size, ffnn_depth,
     feature_size, use_speakers and dropout; coref_mention_weight, `coref_loss`'s mention
-    cross-entropy weight; coref_segment_length, the segment baseline (the encoder reads each
-    row as independent segments of that many tokens; None: whole rows); coref_singletons, the
-    scoring convention (True: the reference scorer's; False: singletons removed).
+    cross-entropy weight; coref_singletons, the scoring convention (True: the reference
+    scorer's; False: singletons removed).
   hotpot_*: HotpotQA (`longformer_jax.tasks.hotpotqa_kind`): hotpot_top_k, the paragraphs stage
     1 hands stage 2; hotpot_sp_threshold and hotpot_min_sentences, the evidence decision
     (`tasks.hotpotqa.predictions`); hotpot_stage2_length, stage 2's row length (None: the
@@ -124,7 +124,6 @@ class FinetuneOptions:
   coref_use_speakers: bool = True
   coref_dropout: float = 0.3
   coref_mention_weight: float = 0.0
-  coref_segment_length: int | None = None
   coref_singletons: bool = True
   hotpot_top_k: int = 2
   hotpot_sp_threshold: float = 0.5
@@ -138,9 +137,9 @@ class FinetuneOptions:
     for name in ("max_question_length", "max_answer_length", "roberta_positions",
                  "roberta_window", "coref_max_span_width", "coref_max_top_spans",
                  "coref_max_antecedents", "coref_ffnn_size", "coref_feature_size",
-                 "coref_segment_length", "hotpot_top_k", "hotpot_stage2_length"):
+                 "hotpot_top_k", "hotpot_stage2_length"):
       value = getattr(self, name)
-      if value is None and name in ("coref_segment_length", "hotpot_stage2_length"):
+      if value is None and name == "hotpot_stage2_length":
         continue
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -265,7 +264,7 @@ class FinetuneTask(Task):
                          f"{c.max_sequence_length} positions (max_position_embeddings="
                          f"{c.max_position_embeddings})")
       for split in (self.train, self.validation, self.test):
-        if split is not None:
+        if split is not None and self.reading is not self.kind:  # coreference: read_split's
           self.reading.check(split)
     elif n > c.max_sequence_length:
       raise ValueError(f"max_length={n} exceeds the model's {c.max_sequence_length} positions "
@@ -371,19 +370,21 @@ def length_report(split: fd.FinetuneSplit, num: int, outputs: Mapping[str, np.nd
                   length_buckets: Sequence[int] = (512,)) -> dict[str, Any]:
   """What the length limit did to the first `num` examples of `split` and the metrics by
   length (`longformer_jax.tasks.truncation`): {"truncation": {"max_length", "examples",
-  "examples_truncated", "document_tokens_kept", "evidence_within_limit"}, "by_length": {"<=B":
-  {metrics..., "examples"}, ">B": {...}} for each B of `length_buckets`}. The kind's metrics are
-  computed anew on each bucket's examples (`Kind.score`), so a corpus-level one (macro F1,
-  tagging's micro F1) is that bucket's own and does not average back to the split's. {} when
-  the kind does not record what it cut (`fd.Example.truncation`)."""
+  "examples_truncated", "document_tokens_kept", "evidence_within_limit", and the kind's own
+  keys, `Kind.truncation_extras`}, "by_length": {"<=B": {metrics..., "examples"}, ">B": {...}}
+  for each B of `length_buckets`}. The kind's metrics are computed anew on each bucket's
+  examples (`Kind.score`), so a corpus-level one (macro F1, tagging's micro F1, coreference's
+  CoNLL F1) is that bucket's own and does not average back to the split's. {} when the kind
+  does not record what it cut (`fd.Example.truncation` None)."""
   examples = split.examples[:num]
-  facts = [getattr(e, "truncation", None) for e in examples]
+  facts = [e.truncation for e in examples]
   if not facts or any(f is None for f in facts):
     return {}
   block = truncation.truncation_block(
       max_length=split.max_length, document_tokens=[f.document_tokens for f in facts],
       kept_tokens=[f.kept_tokens for f in facts], prefix_cut=[f.prefix_cut for f in facts],
       evidence_kept=[f.evidence for f in facts])
+  block.update(split.kind.truncation_extras(examples))
   ids = split.ids[:num]
 
   def metrics(idx: np.ndarray) -> dict[str, Any]:
@@ -397,11 +398,17 @@ def length_report(split: fd.FinetuneSplit, num: int, outputs: Mapping[str, np.nd
   return {"truncation": block, "by_length": by_length}
 
 
+_COMMON_TRUNCATION = ("max_length", "examples", "examples_truncated", "document_tokens_kept",
+                      "evidence_within_limit")
+
+
 def _truncation_line(block: Mapping[str, Any]) -> str:
   share = lambda x: "n/a" if x is None else f"{x:.1%}"
+  extras = "".join(f", {k.replace('_', ' ')} {share(v)}" for k, v in block.items()
+                   if k not in _COMMON_TRUNCATION)
   return (f"max_length {block['max_length']}: {share(block['examples_truncated'])} of examples "
           f"cut, {share(block['document_tokens_kept'])} of document tokens kept, evidence "
-          f"within the limit in {share(block['evidence_within_limit'])}")
+          f"within the limit in {share(block['evidence_within_limit'])}{extras}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -468,7 +475,7 @@ def score(split: fd.FinetuneSplit, outputs: Mapping[str, np.ndarray]
   num = len(next(iter(outputs.values())))
   metrics, records = split.kind.score(split, split.examples[:num], split.ids[:num], outputs)
   for record, e in zip(records, split.examples[:num]):
-    facts = getattr(e, "truncation", None)  # a kind's own example type may record none
+    facts = e.truncation
     if facts is not None:
       record.update(full_length=facts.full_length, truncated=facts.truncated)
   return {**metrics, "examples": num}, records
@@ -544,14 +551,19 @@ def run_settings(workdir, task: str, max_length: int | None = None,
     hint = "" if tokenizer is None else " (leave it out: the run's is taken by default)"
     identity.check_checksum(f"the tokenizer {path}", recorded, text.file_sha256(path),
                             f"not the one the run in {workdir} trained with{hint}")
+  # A kind's settings and the segment baseline's are in the record when they differ from the
+  # defaults; a kind's own option fields always.
+  settings = {k: data[k] for k in KIND_SETTINGS + _SEGMENT_SETTINGS + get_kind(task).option_fields
+              if k in data}
+  if data.get("coref_segment_length") is not None:
+    # A coreference run recorded before it took the segment baseline's settings: the same
+    # reading under its former name.
+    settings.update(baseline="segments", segment_length=data["coref_segment_length"])
   options = FinetuneOptions(
       global_attention=data["global_attention"],
       max_question_length=data["max_question_length"],
       label_names=None if data["label_names"] is None else tuple(data["label_names"]),
-      # A kind's settings and the segment baseline's are in the record when they differ
-      # from the defaults; a kind's own option fields always.
-      **{k: data[k] for k in KIND_SETTINGS + _SEGMENT_SETTINGS + get_kind(task).option_fields
-         if k in data})
+      **settings)
   return cfg, options, None if path is None else load_tokenizer(path)
 
 

@@ -210,6 +210,9 @@ class Kind(abc.ABC):
   # `FinetuneOptions` fields that fix the model or the data of a run: recorded in its identity
   # (a resume must keep them) and restored by --eval-only (`finetune.run_settings`).
   option_fields: ClassVar[tuple[str, ...]] = ()
+  # The kind reads the segment baseline (`--baseline segments`) itself, from the settings its
+  # splits carry, instead of through `finetune_segments.SegmentReading` (coreference).
+  reads_segments: ClassVar[bool] = False
 
   def read_split(self, path: str | os.PathLike, tokenizer, *, max_length: int,
                  specials: SpecialIds, vocab_size: int, options: Any,
@@ -234,6 +237,13 @@ class Kind(abc.ABC):
     through `logits` and `outputs`."""
     del model, split, settings
     return None
+
+  def truncation_extras(self, examples: Sequence[Any]) -> dict[str, Any]:
+    """Keys of a split's "truncation" block beyond the common ones (`tasks.truncation`), from
+    the examples scored (coreference: its gold mentions and links within the limit): here
+    none."""
+    del examples
+    return {}
 
   def files(self, name: str, split: fd.FinetuneSplit, records: Sequence[Mapping[str, Any]]
             ) -> dict[str, str]:

@@ -265,8 +265,9 @@ def _pad(sequences: Sequence[np.ndarray], width: int, pad_id: int
 
 def reading(kind: Kind, *, baseline: str, segment_length: int, overlap: int, pool: str,
             global_mode: str) -> Kind | SegmentReading:
-  """The kind itself (baseline "longformer") or its `SegmentReading` (baseline "segments")."""
-  if baseline == "longformer":
+  """The kind itself (baseline "longformer", or a kind that reads its segments itself,
+  `Kind.reads_segments`) or its `SegmentReading` (baseline "segments")."""
+  if baseline == "longformer" or kind.reads_segments:
     return kind
   return SegmentReading(kind, segment_length=segment_length, overlap=overlap, pool=pool,
                         global_mode=global_mode)

@@ -18,10 +18,11 @@ and every marker), "first" `<s>` alone, "none" no token.
 
 Metrics (fractions in [0, 1], means over the split's records): em, f1, prec, recall (answer),
 sp_em, sp_f1, sp_prec, sp_recall (supporting facts), joint_em, joint_f1, joint_prec,
-joint_recall, paragraph_recall (the gold paragraphs among stage 1's choice) and
-evidence_within_limit (the records whose supporting sentences all fit stage 1's row). Beside
-predictions_<split>.jsonl the run writes predictions_<split>.json, the official prediction file
-{"answer": {id: text}, "sp": {id: [[title, sentence id], ...]}}.
+joint_recall and paragraph_recall (the gold paragraphs among stage 1's choice, pooled over the
+records). What the length limit cut is stage 1's row's (`HotpotExample.truncation`: the evidence
+is every supporting sentence inside the row). Beside predictions_<split>.jsonl the run writes
+predictions_<split>.json, the official prediction file {"answer": {id: text}, "sp": {id:
+[[title, sentence id], ...]}}.
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ class HotpotExample:
   record: hq.HotpotRecord
   stage1: hq.Layout
   stage2: hq.Layout
+
+  @property
+  def truncation(self) -> fd.Truncation:
+    """What stage 1's row (every paragraph, max_length tokens) lost: the document is the
+    paragraphs' title and sentence tokens (markers, question and specials excluded), the prefix
+    the question; evidence, every supporting sentence inside the row (None for a record with no
+    supporting fact)."""
+    t = self.stage1.truncation
+    return fd.Truncation(full_length=t.full_length, document_tokens=t.document_tokens,
+                         kept_tokens=t.document_tokens_kept,
+                         prefix_cut=t.question_kept < t.question_tokens,
+                         evidence=t.evidence_within_limit if t.supporting else None)
 
   def global_lengths(self, mode: str) -> tuple[int, ...]:
     """The most global tokens of its rows (the layouts' masks are not a prefix: the bound is
@@ -121,7 +134,7 @@ class HotpotQA(SettingsKind):
   default_global = "question"
   has_question = True
   required = {}
-  metrics = (*HOTPOT_METRICS, "paragraph_recall", "evidence_within_limit")
+  metrics = (*HOTPOT_METRICS, "paragraph_recall")
   option_fields: ClassVar[tuple[str, ...]] = ("hotpot_stage2_length",)
 
   settings_class = HotpotSettings
@@ -249,8 +262,6 @@ class HotpotQA(SettingsKind):
       records.append({"id": e.record.id, "answer": a, "sp": s,
                       "paragraphs": [e.record.context[p][0] for p in picked]})
     metrics["paragraph_recall"] = found / wanted if wanted else 1.0
-    metrics["evidence_within_limit"] = float(np.mean(
-        [e.stage1.truncation.evidence_within_limit for e in examples]))
     return metrics, records
 
   def files(self, name, split, records):

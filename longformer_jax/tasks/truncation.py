@@ -10,8 +10,10 @@
     and special tokens are not counted.
   evidence_within_limit: the fraction of examples whose evidence lies wholly inside what was kept
     (QA: an answer occurrence inside the kept context; multiple choice: the answer candidate in
-    the kept supports; tagging: every word kept); None where a task has no evidence
-    (classification).
+    the kept supports; tagging: every word kept; coreference: every gold mention kept whole;
+    HotpotQA: every supporting sentence in stage 1's row); None where a task has no evidence
+    (classification). A kind may add keys of its own (`Kind.truncation_extras`: coreference's
+    mentions_within_limit and links_within_limit).
 
 Under the segment baseline "kept" is what the segments read (`segments.reading_stats`); a
 fine-tuning run's segments read what a row of its max_length keeps
