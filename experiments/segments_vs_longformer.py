@@ -209,17 +209,19 @@ def build_data(p: dict, root: Path, seed: int = 1234) -> dict:
 
 
 def short_model_made_long(p: dict, seed: int, path: Path) -> Path:
-  """Saves the seed's starting checkpoint: a tiny masked LM (its vocabulary `p["vocab_size"]`
-  when the preset names one) whose `segment` learned positions (after RoBERTa's 2-row offset)
-  are copied over a table for `max_length` tokens, its global projections copies of the local
-  ones (the paper's recipe). Returns `path`."""
+  """Saves the seed's starting checkpoint: a tiny masked LM (its vocabulary and layers
+  `p["vocab_size"]` and `p["num_hidden_layers"]` when the preset names them) whose `segment`
+  learned positions (after RoBERTa's 2-row offset) are copied over a table for `max_length`
+  tokens, its global projections copies of the local ones (the paper's recipe). Returns
+  `path`."""
   from flax import nnx
   from longformer_jax import checkpoint, convert, modeling
   from longformer_jax.config import LongformerConfig
   offset = 2
-  # A word-level task's vocabulary may outgrow the tiny preset's ("vocab_size" in the preset).
+  # A word-level task's vocabulary may outgrow the tiny preset's, and a test wants one layer.
   config = LongformerConfig.tiny(max_position_embeddings=p["max_length"] + offset,
-                                 **{k: p[k] for k in ("vocab_size",) if k in p})
+                                 **{k: p[k] for k in ("vocab_size", "num_hidden_layers")
+                                    if k in p})
   model = modeling.LongformerForMaskedLM(config, rngs=nnx.Rngs(seed))
   table = model.longformer.embeddings.position_embeddings.embedding
   short = np.asarray(table[...])[:offset + p["segment"]]
