@@ -129,6 +129,14 @@ class Kind(abc.ABC):
                        f"none (use 'first' or 'none')")
     return mode
 
+  def segment_reading(self, *, global_mode: str, **settings) -> Kind | None:
+    """The segment baseline of a kind that reads its rows in segments itself (HotpotQA: the
+    kind configured to do so, global tokens per `global_mode`, the run's; settings:
+    `finetune_segments.reading`'s segment_length, overlap, pool); None (here):
+    `finetune_segments.SegmentReading` reads the kind's examples in segments."""
+    del global_mode, settings
+    return None
+
   def trains_on(self, example: fd.Example) -> bool:
     """Whether the example is trained on (every example can be scored)."""
     del example
