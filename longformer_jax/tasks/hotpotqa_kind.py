@@ -288,11 +288,15 @@ class HotpotQA(SettingsKind):
   def segment_reading(self, *, global_mode: str, **settings) -> HotpotQA:
     """The kind that reads its rows in segments with global mode `global_mode` (the run's): its
     settings carry the reading (`HotpotSettings.of` of a run with baseline "segments")."""
-    del settings  # in run_settings.segments, from the same options
     reading = self.run_settings.segments
     if reading is None:
       raise ValueError("baseline='segments' for task 'hotpotqa': read its splits with the run's "
                        "options (HotpotQA.read_split), which carry the segment settings")
+    given = {name: settings[name] for name in ("segment_length", "overlap") if name in settings}
+    held = {"segment_length": reading.segment_length, "overlap": reading.overlap}
+    if any(held[name] != value for name, value in given.items()):
+      raise ValueError(f"the segment settings {given} differ from those the HotpotQA splits were "
+                       f"read with {held}: read them with the run's options")
     if reading.global_mode == global_mode:
       return self
     return type(self)(dataclasses.replace(
