@@ -196,17 +196,13 @@ def test_segment_settings_are_checked():
 def test_the_run_reads_hotpotqa_through_its_own_segment_reading():
   from longformer_jax.tasks import finetune as ft
   from longformer_jax.tasks import hotpotqa_kind
-  options = ft.FinetuneOptions(baseline="segments", segment_length=64, max_question_length=16)
+  options = ft.FinetuneOptions(baseline="segments", segment_length=64, max_question_length=16,
+                               global_attention="first")
   kind = hotpotqa_kind.HotpotQA(hotpotqa_kind.HotpotSettings.of(options))
   assert kind.run_settings.segments == hotpot_task.HotpotSegments(
-      segment_length=64, prefix_width=18, global_mode="question")
-  assert options.reading(kind, "question") is kind  # the kind reads its own segments
-  first = options.reading(kind, "first")
-  assert isinstance(first, hotpotqa_kind.HotpotQA)
-  assert first.run_settings.segments.global_mode == "first"
-  with pytest.raises(ValueError, match="differ from those the HotpotQA splits were read with"):
-    dataclasses.replace(options, segment_length=128).reading(kind, "question")
-  with pytest.raises(ValueError, match="read its splits with the run's options"):
-    options.reading(ft.get_kind("hotpotqa"), "question")
+      segment_length=64, prefix_width=18, global_mode="first")
+  assert options.reading(kind, "first") is kind  # the kind reads its own segments
   # Whole rows: no segment settings.
   assert hotpotqa_kind.HotpotSettings.of(ft.FinetuneOptions()).segments is None
+  assert hotpotqa_kind.HotpotSettings.of(
+      dataclasses.replace(options, global_attention="default")).segments.global_mode == "question"

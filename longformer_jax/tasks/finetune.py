@@ -265,8 +265,7 @@ class FinetuneTask(Task):
                          f"{c.max_sequence_length} positions (max_position_embeddings="
                          f"{c.max_position_embeddings})")
       for split in (self.train, self.validation, self.test):
-        # A kind with its own segment reading (HotpotQA) checked its settings on reading.
-        if split is not None and isinstance(self.reading, fs.SegmentReading):
+        if split is not None and self.reading is not self.kind:  # coreference: read_split's
           self.reading.check(split)
     elif n > c.max_sequence_length:
       raise ValueError(f"max_length={n} exceeds the model's {c.max_sequence_length} positions "

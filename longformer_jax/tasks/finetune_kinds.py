@@ -129,14 +129,6 @@ class Kind(abc.ABC):
                        f"none (use 'first' or 'none')")
     return mode
 
-  def segment_reading(self, *, global_mode: str, **settings) -> Kind | None:
-    """The segment baseline of a kind that reads its rows in segments itself (HotpotQA: the
-    kind configured to do so, global tokens per `global_mode`, the run's; settings:
-    `finetune_segments.reading`'s segment_length, overlap, pool); None (here):
-    `finetune_segments.SegmentReading` reads the kind's examples in segments."""
-    del global_mode, settings
-    return None
-
   def trains_on(self, example: fd.Example) -> bool:
     """Whether the example is trained on (every example can be scored)."""
     del example
@@ -218,6 +210,9 @@ class Kind(abc.ABC):
   # `FinetuneOptions` fields that fix the model or the data of a run: recorded in its identity
   # (a resume must keep them) and restored by --eval-only (`finetune.run_settings`).
   option_fields: ClassVar[tuple[str, ...]] = ()
+  # The kind reads the segment baseline (`--baseline segments`) itself, from the settings its
+  # splits carry, instead of through `finetune_segments.SegmentReading` (coreference).
+  reads_segments: ClassVar[bool] = False
 
   def read_split(self, path: str | os.PathLike, tokenizer, *, max_length: int,
                  specials: SpecialIds, vocab_size: int, options: Any,

@@ -23,7 +23,7 @@ parameters: a segments run saves, reloads and resumes as any run):
   token            every document position's tags from its stitched state.
   multiple_choice  each candidate's score summed over its segments (each segment's pooled `<s>`
                    scored by the kind's classifier).
-  hotpotqa         its own reading (`Kind.segment_reading`, `tasks.hotpotqa.segment_outputs`):
+  hotpotqa         its own reading (`Kind.reads_segments`, `tasks.hotpotqa.segment_outputs`):
                    both stages' rows `<s> [q] question [/q] segment </s>`, the heads on the
                    states stitched back to row positions.
 
@@ -64,8 +64,7 @@ _ce = optax.softmax_cross_entropy_with_integer_labels
 def check_kind(kind: Kind) -> None:
   """ValueError unless `kind` can be read in segments."""
   if not isinstance(kind, _KINDS):
-    own = [k.name for k in KINDS.values()
-           if type(k).segment_reading is not Kind.segment_reading]
+    own = [k.name for k in KINDS.values() if k.reads_segments]
     names = ", ".join([k.name for k in _KINDS] + own)
     raise ValueError(f"baseline='segments' reads the tasks {names} in segments; task "
                      f"{kind.name!r} has no segment form (use baseline='longformer')")
@@ -270,14 +269,10 @@ def _pad(sequences: Sequence[np.ndarray], width: int, pad_id: int
 
 def reading(kind: Kind, *, baseline: str, segment_length: int, overlap: int, pool: str,
             global_mode: str) -> Kind | SegmentReading:
-  """The kind itself (baseline "longformer"), or (baseline "segments") the kind's own segment
-  reading (`Kind.segment_reading`: HotpotQA's) or its `SegmentReading`."""
-  if baseline == "longformer":
+  """The kind itself (baseline "longformer", or a kind that reads its segments itself,
+  `Kind.reads_segments`) or its `SegmentReading` (baseline "segments")."""
+  if baseline == "longformer" or kind.reads_segments:
     return kind
-  own = kind.segment_reading(global_mode=global_mode, segment_length=segment_length,
-                             overlap=overlap, pool=pool)
-  if own is not None:
-    return own
   return SegmentReading(kind, segment_length=segment_length, overlap=overlap, pool=pool,
                         global_mode=global_mode)
 

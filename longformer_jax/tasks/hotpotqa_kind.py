@@ -144,6 +144,8 @@ class HotpotQA(SettingsKind):
   required = {}
   metrics = (*HOTPOT_METRICS, "paragraph_recall", "evidence_within_limit")
   option_fields: ClassVar[tuple[str, ...]] = ("hotpot_stage2_length",)
+  # --baseline segments: the splits' settings carry the reading (`HotpotSettings.segments`).
+  reads_segments = True
 
   settings_class = HotpotSettings
 
@@ -284,23 +286,6 @@ class HotpotQA(SettingsKind):
     official = {"answer": {r["id"]: r["answer"] for r in records},
                 "sp": {r["id"]: r["sp"] for r in records}}
     return {f"predictions_{name}.json": json.dumps(official, ensure_ascii=False) + "\n"}
-
-  def segment_reading(self, *, global_mode: str, **settings) -> HotpotQA:
-    """The kind that reads its rows in segments with global mode `global_mode` (the run's): its
-    settings carry the reading (`HotpotSettings.of` of a run with baseline "segments")."""
-    reading = self.run_settings.segments
-    if reading is None:
-      raise ValueError("baseline='segments' for task 'hotpotqa': read its splits with the run's "
-                       "options (HotpotQA.read_split), which carry the segment settings")
-    given = {name: settings[name] for name in ("segment_length", "overlap") if name in settings}
-    held = {"segment_length": reading.segment_length, "overlap": reading.overlap}
-    if any(held[name] != value for name, value in given.items()):
-      raise ValueError(f"the segment settings {given} differ from those the HotpotQA splits were "
-                       f"read with {held}: read them with the run's options")
-    if reading.global_mode == global_mode:
-      return self
-    return type(self)(dataclasses.replace(
-        self.run_settings, segments=dataclasses.replace(reading, global_mode=global_mode)))
 
   # The head.
 
