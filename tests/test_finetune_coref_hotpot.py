@@ -245,8 +245,8 @@ def test_hotpotqa_segment_baseline_trains_saves_and_evaluates_again(hotpot_files
                    "--baseline", "segments", "--segment-length", "48", *_SMALL]) == 0
   assert {(128, 48), (96, 48)} <= set(read)
   results = _results(workdir)
-  names = {"em", "f1", "prec", "recall", "sp_em", "sp_f1", "joint_em", "joint_f1",
-           "paragraph_recall", "evidence_within_limit"}
+  names = {"em", "f1", "prec", "recall", "sp_em", "sp_f1", "sp_prec", "sp_recall", "joint_em",
+           "joint_f1", "joint_prec", "joint_recall", "paragraph_recall"}
   assert names <= set(results["test"]) and results["test"]["examples"] == 3
   with open(workdir / "run_config.json") as f:
     data = json.load(f)["data"]
