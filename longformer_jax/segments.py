@@ -19,15 +19,15 @@ is that model denied any reach across segments.
 
 Each example's segments are as long as its row allows: `room = L - (1 + q + 2) - 1` document
 tokens with a q-token prefix (`L - (1 + q) - 1` with `separate_prefix=False`, `L - 2` without a
-prefix). With `overlap` k, consecutive segments
-share k tokens (segment s starts at `s * (room - k)`); each document position then takes its
-state from the segment where it is most central: the one maximising min(tokens before it, tokens
-after it) within the segment, the earlier segment on a tie. Without overlap every position lies
-in exactly one segment. Shapes are static: S is what the longest document of N tokens needs with
-the longest prefix of Q tokens, capped at `max_segments`; an example needs fewer segments (its
-other rows are read as empty segments and masked out, `segment_mask`), and with `max_segments`
-the segments past the cap are not read: their tokens are cut (`kept`, `kept_tokens`), the
-truncation a fine-tuning result reports.
+prefix). With `overlap` k, consecutive segments share k tokens (segment s starts at
+`s * (room - k)`); each document position then takes its state from the segment where it is most
+central: the one maximising min(tokens before it, tokens after it) within the segment, the
+earlier segment on a tie. Without overlap every position lies in exactly one segment. Shapes
+are static: S is what the longest document of N tokens needs with the longest prefix of Q
+tokens, capped at `max_segments`; an example needs fewer segments (its other rows are read as
+empty segments and masked out, `segment_mask`), and with `max_segments` the segments past the
+cap are not read: their tokens are cut (`kept`, `kept_tokens`), the truncation a fine-tuning
+result reports.
 
 What the task heads use:
   * `stitch(rows, layout)`: any per-row-position values [B*S, L, ...] (states, logits) at
