@@ -148,7 +148,18 @@ class LongformerForHotpotQA(nnx.Module):
     """
     check_ids(input_ids, 2, "[batch, seq]")
     out = self.longformer(input_ids, attention_mask, global_attention_mask, **kwargs)
-    hidden_BxNxE = out.last_hidden_state
+    return self.heads(out.last_hidden_state, paragraph_positions=paragraph_positions,
+                      sentence_positions=sentence_positions, token_paragraph=token_paragraph,
+                      token_sentence=token_sentence, paragraph_mask=paragraph_mask,
+                      sentence_mask=sentence_mask, context_mask=context_mask,
+                      hidden_states=out.hidden_states, attentions=out.attentions)
+
+  def heads(self, hidden_BxNxE: jax.Array, *, paragraph_positions, sentence_positions,
+            token_paragraph, token_sentence, paragraph_mask=None, sentence_mask=None,
+            context_mask=None, hidden_states=None, attentions=None) -> HotpotQAOutput:
+    """The heads on the encoder's states [B, N, E] at row positions (`__call__`'s arguments):
+    the whole row's states, or the states a segment reading stitched back to row positions
+    (`tasks.hotpotqa.segment_outputs`); the type head reads position 0 (`<s>`)."""
     logits_BxNx2 = self.qa_outputs(hidden_BxNxE)
     type_BxT = self.type_head(hidden_BxNxE[:, :1])[:, 0]
     s, p = jnp.shape(sentence_positions)[-1], jnp.shape(paragraph_positions)[-1]
@@ -164,4 +175,4 @@ class LongformerForHotpotQA(nnx.Module):
         type_logits=type_BxT.astype(jnp.float32),
         sentence_logits=_masked(sentence_BxS, sentence_mask),
         paragraph_logits=_masked(paragraph_BxP, paragraph_mask),
-        hidden_states=out.hidden_states, attentions=out.attentions)
+        hidden_states=hidden_states, attentions=attentions)

@@ -7,6 +7,9 @@ prefix (the question, [B, Q] with a mask) become S segments per example, each on
 
     <s> prefix </s></s> segment </s> <pad>...      (with a prefix)
     <s> segment </s> <pad>...                      (without one: the plain classification row)
+    <s> prefix segment </s> <pad>...               (`separate_prefix=False`: a prefix that ends
+                                                    with its own marker, HotpotQA's
+                                                    `[q] question [/q]`)
 
 All rows of a batch go through the encoder as one batch [B*S, L] (example b's segments are rows
 b*S .. b*S + S - 1). Every row is a sequence of its own: its positions restart (RoBERTa positions
@@ -15,15 +18,16 @@ a short model (an HF RoBERTa, one of ours) this is the paper's baseline; run wit
 is that model denied any reach across segments.
 
 Each example's segments are as long as its row allows: `room = L - (1 + q + 2) - 1` document
-tokens with a q-token prefix (`L - 2` without a prefix). With `overlap` k, consecutive segments
-share k tokens (segment s starts at `s * (room - k)`); each document position then takes its
-state from the segment where it is most central: the one maximising min(tokens before it, tokens
-after it) within the segment, the earlier segment on a tie. Without overlap every position lies
-in exactly one segment. Shapes are static: S is what the longest document of N tokens needs with
-the longest prefix of Q tokens, capped at `max_segments`; an example needs fewer segments (its
-other rows are read as empty segments and masked out, `segment_mask`), and with `max_segments`
-the segments past the cap are not read: their tokens are cut (`kept`, `kept_tokens`), the
-truncation a fine-tuning result reports.
+tokens with a q-token prefix (`L - (1 + q) - 1` with `separate_prefix=False`, `L - 2` without a
+prefix). With `overlap` k, consecutive segments share k tokens (segment s starts at
+`s * (room - k)`); each document position then takes its state from the segment where it is most
+central: the one maximising min(tokens before it, tokens after it) within the segment, the
+earlier segment on a tie. Without overlap every position lies in exactly one segment. Shapes
+are static: S is what the longest document of N tokens needs with the longest prefix of Q
+tokens, capped at `max_segments`; an example needs fewer segments (its other rows are read as
+empty segments and masked out, `segment_mask`), and with `max_segments` the segments past the
+cap are not read: their tokens are cut (`kept`, `kept_tokens`), the truncation a fine-tuning
+result reports.
 
 What the task heads use:
   * `stitch(rows, layout)`: any per-row-position values [B*S, L, ...] (states, logits) at
@@ -78,7 +82,8 @@ class SegmentLayout:
   segment_mask: bool [B, S], the segment is read (it exists for the example and is within
     `max_segments`).
   starts, lengths: int32 [B, S], each segment's first document position and document tokens.
-  heads: int32 [B], the row position of the first document token (1 + q + 2, or 1).
+  heads: int32 [B], the row position of the first document token (1 + q + 2; 1 + q without
+    the `</s></s>` separator; 1 without a prefix).
   prefix_lengths: int32 [B], q (0 without a prefix).
   document_lengths: int32 [B], the document's real tokens.
   segments_needed: int32 [B], the segments the whole document needs (may exceed S with
@@ -163,8 +168,8 @@ def segments_for(document_tokens: int, room: int, overlap: int = 0) -> int:
 
 def segment_layout(document_ids, document_mask=None, *, prefix_ids=None, prefix_mask=None,
                    specials: Specials, segment_length: int = 512, overlap: int = 0,
-                   max_segments: int | None = None, global_mode: str = "none"
-                   ) -> SegmentLayout:
+                   max_segments: int | None = None, global_mode: str = "none",
+                   separate_prefix: bool = True, document_global=None) -> SegmentLayout:
   """The rows that read `document_ids` in segments, and the map back (module docstring).
 
   Args:
@@ -180,6 +185,12 @@ def segment_layout(document_ids, document_mask=None, *, prefix_ids=None, prefix_
     max_segments: read at most this many segments per example (the rest is cut); default all.
     global_mode: the global tokens of every row: "none", "first" (`<s>`), or "question"
       (`<s>` and the prefix, as the data layer's mode of that name).
+    separate_prefix: `</s></s>` between the prefix and the segment (True, RoBERTa's pair row);
+      False puts the segment right after the prefix, so that a document that fits one segment
+      is read in the very row a whole-row reader reads (HotpotQA's `<s> [q] question [/q]
+      [p] ...`).
+    document_global: [B, N] 0/1, document tokens that attend globally in the segment that holds
+      them (HotpotQA's [p] / [s] markers), besides global_mode's; default none.
   """
   ids_BxN = _ids("document_ids", document_ids)
   batch, n = ids_BxN.shape
@@ -201,15 +212,25 @@ def segment_layout(document_ids, document_mask=None, *, prefix_ids=None, prefix_
     max_segments = _int("max_segments", max_segments, 1)
   if global_mode not in GLOBAL_MODES:
     raise ValueError(f"global_mode must be one of {GLOBAL_MODES}, got {global_mode!r}")
+  if not isinstance(separate_prefix, bool):
+    raise TypeError(f"separate_prefix must be a bool, got {separate_prefix!r}")
+  if document_global is not None:
+    document_global = jnp.asarray(document_global)
+    if document_global.shape != (batch, n):
+      raise ValueError(f"document_global has shape {document_global.shape}; expected "
+                       f"{(batch, n)}, the shape of document_ids")
   specials_of = {}
   for name in ("bos", "eos", "sep", "pad"):
     value = getattr(specials, name, None)
     specials_of[name] = _int(f"specials.{name}", value, 0)
   # The worst case (the longest prefix) sets the static number of segments.
-  extra = 3 if has_prefix else 1  # <s> </s></s> or <s>, before the segment
+  separated = has_prefix and separate_prefix
+  extra = 3 if separated else 1  # <s> </s></s> or <s>, before the segment
   room_min = length - extra - q_max - 1
   if room_min < overlap + 1:
-    before = f"<s>, a prefix of up to {q_max} tokens, </s></s>" if has_prefix else "<s>"
+    before = "<s>"
+    if has_prefix:
+      before = f"<s>, a prefix of up to {q_max} tokens" + (", </s></s>" if separated else "")
     raise ValueError(f"segment_length={length} leaves {room_min} document tokens per segment "
                      f"after {before} and </s>; it must leave more than overlap={overlap}")
   num_segments = segments_for(n, room_min, overlap)
@@ -242,6 +263,7 @@ def segment_layout(document_ids, document_mask=None, *, prefix_ids=None, prefix_
   ids = jnp.where(j == end, specials_of["eos"], ids)
   if has_prefix:
     ids = jnp.where((j >= 1) & (j <= q), prefix_tokens, ids)
+  if separated:
     ids = jnp.where((j == q + 1) | (j == q + 2), specials_of["sep"], ids)
   ids = jnp.where(j == 0, specials_of["bos"], ids)
   mask = (j <= end).astype(jnp.int32)
@@ -251,6 +273,11 @@ def segment_layout(document_ids, document_mask=None, *, prefix_ids=None, prefix_
     global_ = jnp.broadcast_to(j == 0, mask.shape).astype(jnp.int32)
   else:
     global_ = jnp.broadcast_to(j <= q, mask.shape).astype(jnp.int32)
+  if document_global is not None:
+    doc_global = jnp.take_along_axis(
+        (document_global != 0).astype(jnp.int32)[:, None, :].repeat(num_segments, 1),
+        jnp.clip(doc_index, 0, n - 1), axis=2)
+    global_ = jnp.where((j >= head) & (j < end), global_ | doc_global, global_)
 
   # Each document position's segment: the read one where it is most central (earliest on ties).
   p_N = jnp.arange(n, dtype=jnp.int32)
@@ -391,23 +418,27 @@ def _states(out) -> jax.Array:
 def encode_segments(encoder: Callable[..., Any], document_ids, document_mask=None, *,
                     prefix_ids=None, prefix_mask=None, specials: Specials,
                     segment_length: int = 512, overlap: int = 0, max_segments: int | None = None,
-                    global_mode: str = "none", **encoder_kwargs) -> SegmentOutput:
+                    global_mode: str = "none", separate_prefix: bool = True,
+                    document_global=None, **encoder_kwargs) -> SegmentOutput:
   """Runs `encoder` on the segments of a document (`segment_layout`'s arguments) as one batch.
 
   encoder: called as `encoder(input_ids [B*S, L], attention_mask [B*S, L],
     global_attention_mask [B*S, L] or None, **encoder_kwargs)`, returning states [B*S, L, E] or
     an object with `last_hidden_state` (a `LongformerModel`, a model's `.longformer`). With
-    global tokens, `max_global` (1, or 1 + Q) is passed unless encoder_kwargs sets it.
+    global tokens, `max_global` (1, 1 + Q, or L with `document_global`) is passed unless
+    encoder_kwargs sets it.
   """
   layout = segment_layout(document_ids, document_mask, prefix_ids=prefix_ids,
                           prefix_mask=prefix_mask, specials=specials,
                           segment_length=segment_length, overlap=overlap,
-                          max_segments=max_segments, global_mode=global_mode)
+                          max_segments=max_segments, global_mode=global_mode,
+                          separate_prefix=separate_prefix, document_global=document_global)
   global_mask = None
-  if global_mode != "none":
+  if global_mode != "none" or document_global is not None:
     global_mask = layout.global_attention_mask
-    encoder_kwargs.setdefault("max_global",
-                              1 if global_mode == "first" else 1 + layout.prefix_width)
+    bound = {"none": 0, "first": 1, "question": 1 + layout.prefix_width}[global_mode]
+    encoder_kwargs.setdefault(
+        "max_global", layout.segment_length if document_global is not None else bound)
   states = _states(encoder(layout.input_ids, layout.attention_mask, global_mask,
                            **encoder_kwargs))
   rows_BxSxLxE = _by_segment(states, layout)
@@ -436,17 +467,20 @@ class SegmentEncoder(nnx.Module):
   """
 
   def __init__(self, encoder: nnx.Module, *, specials: Specials, segment_length: int = 512,
-               overlap: int = 0, max_segments: int | None = None, global_mode: str = "none"):
+               overlap: int = 0, max_segments: int | None = None, global_mode: str = "none",
+               separate_prefix: bool = True):
     self.encoder = encoder
     self.settings = dict(specials=_SpecialIds(*(int(getattr(specials, k))
                                                 for k in ("bos", "eos", "sep", "pad"))),
                          segment_length=segment_length, overlap=overlap,
-                         max_segments=max_segments, global_mode=global_mode)
+                         max_segments=max_segments, global_mode=global_mode,
+                         separate_prefix=separate_prefix)
 
   def __call__(self, document_ids, document_mask=None, *, prefix_ids=None, prefix_mask=None,
-               **encoder_kwargs) -> SegmentOutput:
+               document_global=None, **encoder_kwargs) -> SegmentOutput:
     return encode_segments(self.encoder, document_ids, document_mask, prefix_ids=prefix_ids,
-                           prefix_mask=prefix_mask, **self.settings, **encoder_kwargs)
+                           prefix_mask=prefix_mask, document_global=document_global,
+                           **self.settings, **encoder_kwargs)
 
 
 __all__ = ["GLOBAL_MODES", "POOL_MODES", "SegmentEncoder", "SegmentLayout", "SegmentOutput",

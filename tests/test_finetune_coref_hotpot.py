@@ -7,6 +7,7 @@ The runs use the `tiny` model with one layer and the dense reference attention (
 numbers, a program that compiles faster) for two steps in this process: they test the pipeline,
 not learning (docs/finetune.md measures that)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -20,6 +21,7 @@ from longformer_jax.data import hotpotqa as hq
 from longformer_jax.data import hotpotqa_generate
 from longformer_jax.data.tokenizer import SpecialIds
 from longformer_jax.tasks import coref_kind, hotpotqa_kind
+from longformer_jax.tasks import hotpotqa as hotpot_task
 from longformer_jax.tasks import finetune as ft
 from longformer_jax.commands import train_finetune as cli
 
@@ -253,6 +255,55 @@ def test_hotpotqa_trains_both_stages_and_evaluates_two_stage(hotpot_files, tmp_p
   assert all(len(r["paragraphs"]) == 1 for r in records)
   context = {r.id: dict(r.context) for r in hq.read_hotpotqa(files["dev"])}
   assert all(len(r["sp"]) == len(context[r["id"]][r["paragraphs"][0]]) for r in records)
+
+
+def test_hotpotqa_segment_baseline_trains_saves_and_evaluates_again(hotpot_files, tmp_path,
+                                                                     capsys, monkeypatch):
+  """--baseline segments: both stages read in segments of 48 tokens (rows of 128 and 96), the
+  run records it, and --eval-only reads the same way (the same numbers)."""
+  files, workdir = hotpot_files, tmp_path / "run"
+  read = []  # the row shapes the segment reading traced: both stages, training and evaluation
+  segment_outputs = hotpot_task.segment_outputs
+
+  def counted(model, inputs, reading, **kwargs):
+    read.append((inputs["input_ids"].shape[1], reading.segment_length))
+    return segment_outputs(model, inputs, reading, **kwargs)
+
+  monkeypatch.setattr(hotpot_task, "segment_outputs", counted)
+  common = ["--task", "hotpotqa", "--tokenizer", files["tokenizer"], "--test", files["dev"],
+            "--workdir", str(workdir)]
+  assert cli.main([*common, "--model", "tiny", "--train", files["train"], "--max-length", "128",
+                   "--set", "hotpot_stage2_length=96", "--set", "max_question_length=16",
+                   "--baseline", "segments", "--segment-length", "48", *_SMALL]) == 0
+  assert {(128, 48), (96, 48)} <= set(read)
+  results = _results(workdir)
+  names = {"em", "f1", "prec", "recall", "sp_em", "sp_f1", "sp_prec", "sp_recall", "joint_em",
+           "joint_f1", "joint_prec", "joint_recall", "paragraph_recall"}
+  assert names <= set(results["test"]) and results["test"]["examples"] == 3
+  with open(workdir / "run_config.json") as f:
+    data = json.load(f)["data"]
+  assert (data["baseline"], data["segment_length"]) == ("segments", 48)
+  with open(workdir / "predictions_test.json") as f:
+    assert set(json.load(f)) == {"answer", "sp"}
+  capsys.readouterr()
+  assert cli.main([*common, "--eval-only", "--no-progress"]) == 0
+  assert _results(workdir, "eval_")["test"] == results["test"]
+  # The kind of an evaluation reads in segments: its settings carry the reading.
+  tokenizer = Tokenizer.from_file(files["tokenizer"])
+  options = ft.FinetuneOptions(baseline="segments", segment_length=48, max_question_length=16)
+  split = ft.get_kind("hotpotqa").read_split(
+      files["dev"], tokenizer, max_length=128, specials=SPECIALS, vocab_size=512,
+      options=options)
+  assert split.kind.run_settings.segments == hotpot_task.HotpotSegments(
+      segment_length=48, prefix_width=18, global_mode="question")
+  # Settings a segment reading of HotpotQA cannot have are refused on reading the files.
+  for change, message in ((dict(segment_length=16), r"segment_length=16 leaves -4 document "
+                                                    r"tokens"),
+                          (dict(segment_pool="mean"), r"segment_pool='mean'")):
+    with pytest.raises(ValueError, match=message):
+      ft.get_kind("hotpotqa").read_split(
+          files["dev"], tokenizer, max_length=128, specials=SPECIALS, vocab_size=512,
+          options=dataclasses.replace(options, **change))
 
 
 def test_hotpotqa_needs_the_markers(hotpot_files, tmp_path):

@@ -132,6 +132,58 @@ def test_multiple_choice_text_records_find_the_answer_by_its_text(tmp_path):
   assert [e.truncation.kept_tokens for e in split.examples] == [3, 6, 2]
 
 
+def test_wikihop_block_counts_query_cuts_and_the_answer_in_the_supports(tmp_path):
+  """WikiHop reads every support (chunks, under the segment baseline too): no document token is
+  lost, only a query cut by max_question_length truncates; the evidence is the answer named in a
+  support (ids as a run inside one support; text, case folded), no evidence when none names it."""
+  cands = [[40], [41, 42]]
+  records = [  # max_question_length 2; rows of 24 tokens
+      {"query": [5, 6], "candidates": cands, "input_ids": [[10, 40], [11]], "answer": 0},
+      # A query of 3 tokens cut to 2; the answer's two ids in a row of one support.
+      {"query": [5, 6, 7], "candidates": cands, "input_ids": [[12, 41, 42, 13]], "answer": 1},
+      # The answer's ids split across two supports: not a run inside one, no evidence.
+      {"query": [5], "candidates": cands, "input_ids": [[10, 41], [42, 11]], "answer": 1},
+      # Supports of 30 tokens: three rows (chunks), every token read, the answer in the last.
+      {"query": [5], "candidates": cands, "input_ids": [_doc(20), _doc(8) + [40]], "answer": 0},
+      # The answer nowhere: no evidence.
+      {"query": [5, 6], "candidates": cands, "input_ids": [[10, 11, 12]], "answer": 0},
+  ]
+  split = _split(tmp_path, "wikihop", records, max_length=24, max_question_length=2)
+  facts = [e.truncation for e in split.examples]
+  assert [f.evidence for f in facts] == [True, True, None, True, None]
+  assert [f.truncated for f in facts] == [False, True, False, False, False]
+  assert [len(e.input_ids) for e in split.examples] == [1, 1, 1, 3, 1]
+  # <s> [q] query [/q] [ent] 40 [/ent] [ent] 41 42 [/ent] </s> supports (</s></s> between) </s>:
+  # the prefix is 3 + 7 tokens beside the query, the uncut query counted.
+  assert [f.full_length for f in facts] == [10 + 2 + 2 + 5, 10 + 3 + 2 + 4, 10 + 1 + 2 + 6,
+                                            10 + 1 + 2 + 31, 10 + 2 + 2 + 3]
+  assert [f.document_tokens for f in facts] == [f.kept_tokens for f in facts] == [3, 4, 4, 29, 3]
+  logits = np.asarray([[1, 0], [0, 1], [1, 0], [1, 0], [0, 1]], np.float32)
+  report = ft.length_report(split, 5, {"logits": logits}, length_buckets=(20,))
+  assert report["truncation"] == {"max_length": 24, "examples": 5, "examples_truncated": 1 / 5,
+                                  "document_tokens_kept": 1.0, "evidence_within_limit": 3 / 3}
+  # Full lengths 19, 19, 19, 44, 17: the long one alone is past 20, and right.
+  assert report["by_length"] == {"<=20": {"accuracy": 2 / 4, "examples": 4},
+                                 ">20": {"accuracy": 1.0, "examples": 1}}
+  _, predictions = ft.score(split, {"logits": logits})
+  assert [(p["full_length"], p["truncated"]) for p in predictions] == [
+      (f.full_length, f.truncated) for f in facts]
+  # Text records: the answer's text, case folded, inside a support's text (tokenized alone, a
+  # candidate need not match its tokens inside a sentence).
+  tokenizer = _word_tokenizer(["q1", "paris", "rome", "Paris", "Rome", "w1", "w2"])
+  text_records = [
+      {"query": "q1", "candidates": ["paris", "rome"], "supports": ["w1 Paris", "w2"],
+       "answer": "paris"},
+      {"query": "q1", "candidates": ["paris", "rome"], "supports": ["w1 Paris"],
+       "answer": "rome"},
+  ]
+  path = tmp_path / "wikihop_text.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in text_records))
+  text_split = fd.read_split(path, ft.KINDS["wikihop"], tokenizer, max_length=24,
+                             specials=_SPECIALS, vocab_size=512)
+  assert [e.truncation.evidence for e in text_split.examples] == [True, None]
+
+
 def test_by_length_means_recombine_to_the_split_metric(tmp_path):
   """Accuracy (classification) and EM / F1 (QA) are means over examples: the examples-weighted
   mean of the buckets is the split's metric; macro F1 is each bucket's own."""

@@ -109,6 +109,30 @@ def test_overlap_ties_go_to_the_earlier_segment():
   np.testing.assert_array_equal(layout.row_positions, [[6, 7, 8, 9, 8, 9, 8, 9, 10]])
 
 
+def test_a_prefix_without_separator_and_global_document_tokens():
+  # separate_prefix=False: <s> prefix segment </s>, room 8 - 1 - 3 - 1 = 3 per row; document
+  # position 4 (id 14, in segment 1) is global there, besides <s> and the prefix.
+  global_N = np.zeros((1, 9), np.int32)
+  global_N[0, 4] = 1
+  layout = segments.segment_layout(np.arange(10, 19)[None], prefix_ids=[[5, 6, 7]],
+                                   specials=Specials, segment_length=8, separate_prefix=False,
+                                   global_mode="question", document_global=global_N)
+  np.testing.assert_array_equal(layout.input_ids, [[BOS, 5, 6, 7, 10, 11, 12, EOS],
+                                                   [BOS, 5, 6, 7, 13, 14, 15, EOS],
+                                                   [BOS, 5, 6, 7, 16, 17, 18, EOS]])
+  np.testing.assert_array_equal(layout.global_attention_mask, [[1, 1, 1, 1, 0, 0, 0, 0],
+                                                               [1, 1, 1, 1, 0, 1, 0, 0],
+                                                               [1, 1, 1, 1, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(layout.heads, [4])
+  np.testing.assert_array_equal(layout.row_positions, [[4, 5, 6, 4, 5, 6, 4, 5, 6]])
+  with pytest.raises(ValueError, match=r"document_global has shape \(1, 3\)"):
+    segments.segment_layout(np.arange(10, 19)[None], specials=Specials, segment_length=8,
+                            document_global=np.zeros((1, 3)))
+  with pytest.raises(ValueError, match=r"after <s>, a prefix of up to 3 tokens and </s>"):
+    segments.segment_layout([[5, 6]], prefix_ids=[[7, 8, 9]], specials=Specials,
+                            segment_length=6, overlap=1, separate_prefix=False)
+
+
 def test_max_segments_cuts_and_counts_what_was_read():
   # Rows of 6 without a prefix read 4 tokens each; 2 segments at most read 8 of 13 and 8 of 9.
   doc, mask = _docs([13, 9], 13)

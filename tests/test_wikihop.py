@@ -1,8 +1,9 @@
 """WikiHop's own model as a fine-tuning kind (`--task wikihop`): QAngaroo's JSON and our JSONL
 read alike, the row layout by hand, one chunk equal to the single row and two chunks to the sum of
-their rows' scores, the marker tokens grown into the vocabulary without changing old outputs,
-the order drawn anew every epoch, and a run that trains, saves, reloads and scores with
---eval-only through the command line.
+their rows' scores, the segment baseline (the same chunk-and-sum in rows of segment_length), the
+marker tokens grown into the vocabulary without changing old outputs, the order drawn anew every
+epoch, and runs (whole rows and segments) that train, save, reload and score with --eval-only
+through the command line.
 """
 
 import json
@@ -159,6 +160,80 @@ def test_one_chunk_is_the_single_row_and_two_chunks_the_sum_of_their_rows(model,
 
 
 # ----------------------------------------------------------------------------------------------
+# The segment baseline
+
+
+def _segments(length, **options):
+  return KIND.configured(ft.FinetuneOptions(baseline="segments", segment_length=length,
+                                            **options))
+
+
+def test_segment_baseline_is_chunk_and_sum_in_rows_of_segment_length(model, tmp_path):
+  """One segment gives the single row's logits; two give the sum of the two rows' scores, each
+  row the prefix and its segment of the supports (positions restarting); editing a support
+  token of segment 2 leaves segment 1's states bit-identical, where the single row's change."""
+  records = _records(2, support_length=(2, 3))
+  records[1]["input_ids"] = [list(range(10, 30)), [11, 12, 40]]  # a stream of 25 tokens
+  path = _write(tmp_path / "r.jsonl", records)
+  whole = _split(path, max_length=64)
+  one = _split(path, max_length=64, kind=_segments(48))
+  two = _split(path, max_length=64, kind=_segments(32))
+  assert [len(e.input_ids) for s in (whole, one, two) for e in s.examples] == [1, 1, 1, 1, 1, 2]
+  assert two.max_length == 64 and two.kind.row_length(two.max_length) == 32
+  kw = dict(global_attention="question", specials=SPECIALS)
+  logits = {name: np.asarray(split.kind.logits(model, split.kind.batch(split, [0, 1], **kw),
+                                               split.max_global("question"))["logits"])
+            for name, split in (("whole", whole), ("one", one), ("two", two))}
+  np.testing.assert_allclose(logits["one"], logits["whole"], rtol=1e-6, atol=1e-6)
+  e = two.examples[1]
+  p = e.question_end
+  assert all(len(r) <= 32 and list(r[:p]) == list(e.input_ids[0][:p]) and r[p] == SPECIALS.sep
+             and r[-1] == SPECIALS.eos for r in e.input_ids)
+  assert [int(t) for r in e.input_ids for t in r[p + 1:-1]] == (
+      list(range(10, 30)) + [SPECIALS.sep] * 2 + [11, 12, 40])
+  c = len(e.candidates)
+  expected = sum(_row_scores(model, r, e.entity_positions) for r in e.input_ids)
+  np.testing.assert_allclose(logits["two"][1, :c], expected, rtol=1e-6, atol=1e-6)
+  assert not np.allclose(logits["two"][1, :c], logits["whole"][1, :c], atol=1e-4)
+  # A support token of segment 2 edited: segment 1 reads nothing of it.
+  batch = two.kind.batch(two, [1], **kw)
+
+  def states(ids_BxKxN, mask, glob):
+    b, k, n = ids_BxKxN.shape
+    ids = wd.resolve_markers(jnp.asarray(ids_BxKxN).reshape(b * k, n), model.config.vocab_size)
+    return np.asarray(model.longformer(ids, jnp.asarray(mask).reshape(b * k, n),
+                                       jnp.asarray(glob).reshape(b * k, n)).last_hidden_state)
+
+  edited = batch["input_ids"].copy()
+  edited[0, 1, p + 1] = 29 if edited[0, 1, p + 1] != 29 else 28
+  before = states(batch["input_ids"], batch["attention_mask"], batch["global_attention_mask"])
+  after = states(edited, batch["attention_mask"], batch["global_attention_mask"])
+  np.testing.assert_array_equal(after[0], before[0])
+  assert not np.array_equal(after[1], before[1])
+  # The single row holds that token at the same place in the stream: its prefix sees it.
+  row = whole.kind.batch(whole, [1], **kw)
+  where = p + 1 + (len(e.input_ids[0]) - p - 2)
+  assert row["input_ids"][0, 0, where] == batch["input_ids"][0, 1, p + 1]
+  changed = row["input_ids"].copy()
+  changed[0, 0, where] = edited[0, 1, p + 1]
+  plain = states(row["input_ids"], row["attention_mask"], row["global_attention_mask"])
+  moved = states(changed, row["attention_mask"], row["global_attention_mask"])
+  assert not np.array_equal(plain[0, :p], moved[0, :p])
+
+
+def test_segment_baseline_refuses_what_it_cannot_read(tmp_path):
+  path = _write(tmp_path / "r.jsonl", _records(2))
+  with pytest.raises(text.JsonlError, match="no room for the supports in segment_length=12 "
+                                            r"\(raise segment_length or lower max_question"):
+    _split(path, max_length=64, kind=_segments(12))
+  with pytest.raises(ValueError, match="segment_overlap=4: --task wikihop reads"):
+    _segments(32, segment_overlap=4)
+  with pytest.raises(ValueError, match="segment_pool='mean' pools classification"):
+    _segments(32, segment_pool="mean")
+  assert KIND.configured(ft.FinetuneOptions()) is KIND
+
+
+# ----------------------------------------------------------------------------------------------
 # The marker tokens
 
 
@@ -257,7 +332,12 @@ def test_wikihop_trains_saves_reloads_and_evaluates(tmp_path):
                    "--steps", "2", "--learning-rate", "1e-3", "--workdir", str(workdir),
                    "--no-progress"]) == 0
   results = json.loads((workdir / "results.json").read_text())
-  assert set(results["validation"]) == {"accuracy", "examples"}
+  assert set(results["validation"]) == {"accuracy", "examples", "truncation", "by_length"}
+  # Every support is read and every query whole; the answer's id lies in one support.
+  assert results["validation"]["truncation"] == {
+      "max_length": 24, "examples": 4, "examples_truncated": 0.0, "document_tokens_kept": 1.0,
+      "evidence_within_limit": 1.0}
+  assert sum(b["examples"] for b in results["validation"]["by_length"].values()) == 4
   record = json.loads((workdir / "run_config.json").read_text())
   assert record["model"]["vocab_size"] == CONFIG.vocab_size + 4
   assert cli.main(["--task", "wikihop", "--eval-only", "--validation", valid, "--workdir",
@@ -270,9 +350,48 @@ def test_wikihop_trains_saves_reloads_and_evaluates(tmp_path):
                  (workdir / "predictions_validation.jsonl").read_text().splitlines()]
   assert [p["id"] for p in predictions] == ["r0", "r1", "r2", "r3"]
   assert all(p["prediction"] == int(np.argmax(p["scores"])) and p["chunks"] >= 1
-             for p in predictions)
+             and p["full_length"] > 0 and p["truncated"] is False for p in predictions)
   # The run reloads as a starting point with its grown table (no second growth).
   source = ft.load_source(str(workdir))
   assert source.model_class == "LongformerForWikiHop"
   assert source.params["longformer"]["embeddings"]["word_embeddings"]["embedding"].shape[0] == (
       CONFIG.vocab_size + 4)
+
+
+def test_wikihop_segments_trains_saves_and_evaluates_the_same(tmp_path, capsys):
+  """--baseline segments: rows of 20 tokens where the Longformer's are 32; the run records its
+  settings, and --eval-only reads the checkpoint in the same segments, with the same results
+  and predictions. A segment the prefix fills is refused in one line."""
+  checkpoint.save_model(tmp_path / "mlm",
+                        modeling.LongformerForMaskedLM(CONFIG, rngs=nnx.Rngs(1)))
+  train = _write(tmp_path / "train.jsonl", _records(4))
+  valid = _write(tmp_path / "valid.jsonl", _records(4, seed=1))
+  workdir = tmp_path / "run"
+  run = ["--task", "wikihop", "--model", str(tmp_path / "mlm"), "--train", train,
+         "--validation", valid, "--max-length", "32", "--batch-size", "2", "--steps", "1",
+         "--learning-rate", "1e-3", "--no-progress"]
+  assert cli.main([*run, "--workdir", str(workdir), "--baseline", "segments",
+                   "--segment-length", "20"]) == 0
+  record = json.loads((workdir / "run_config.json").read_text())
+  assert (record["data"]["baseline"], record["data"]["segment_length"]) == ("segments", 20)
+  results = json.loads((workdir / "results.json").read_text())["validation"]
+  assert results["truncation"]["examples_truncated"] == 0.0
+  predictions = (workdir / "predictions_validation.jsonl").read_text()
+  split = _split(valid, max_length=32, kind=_segments(20))
+  assert [json.loads(line)["chunks"] for line in predictions.splitlines()] == [
+      len(e.input_ids) for e in split.examples]
+  rows = _split(valid, max_length=32)  # the Longformer's rows hold more of the supports
+  assert sum(len(e.input_ids) for e in split.examples) > sum(len(e.input_ids)
+                                                              for e in rows.examples)
+  assert cli.main(["--task", "wikihop", "--eval-only", "--validation", valid, "--workdir",
+                   str(workdir), "--no-progress"]) == 0
+  evaluated = json.loads((workdir / "eval_results.json").read_text())
+  assert evaluated["validation"] == results and evaluated["changed_settings"] == {}
+  assert (workdir / "eval_predictions_validation.jsonl").read_text() == predictions
+  capsys.readouterr()
+  with pytest.raises(SystemExit) as exit_info:
+    cli.main([*run, "--workdir", str(tmp_path / "short"), "--baseline", "segments",
+              "--segment-length", "12"])
+  err = capsys.readouterr().err.strip()
+  assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+  assert err.startswith("train.finetune: error: ") and "segment_length=12" in err, err

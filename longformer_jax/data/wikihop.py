@@ -104,9 +104,11 @@ class Layout:
 
 
 def layout(query: np.ndarray, candidates: Sequence[np.ndarray], supports: Sequence[np.ndarray],
-           specials: SpecialIds, *, max_length: int) -> Layout:
-  """The rows of an example (module docstring): the query, the candidates and the supports in
-  the order given. ValueError when the prefix leaves no room for a support token."""
+           specials: SpecialIds, *, max_length: int, name: str = "max_length") -> Layout:
+  """The rows of an example (module docstring), rows of at most `max_length` tokens: the query,
+  the candidates and the supports in the order given. ValueError when the prefix leaves no room
+  for a support token (naming the row length as `name`: max_length, or the segment baseline's
+  segment_length)."""
   prefix, positions = [specials.bos, Q, *query, END_Q], []
   for candidate in candidates:
     positions.append(len(prefix))
@@ -117,7 +119,7 @@ def layout(query: np.ndarray, candidates: Sequence[np.ndarray], supports: Sequen
   room = max_length - len(prefix) - 2  # </s> after the prefix, </s> at the end
   if room < 1:
     raise ValueError(f"the query and {len(candidates)} candidates take {len(prefix)} tokens: no "
-                     f"room for the supports in max_length={max_length}")
+                     f"room for the supports in {name}={max_length}")
   pieces = [stream[i:i + room] for i in range(0, len(stream), room)] or [[]]
   rows = tuple(np.asarray(prefix + [specials.sep] + piece + [specials.eos], np.int32)
                for piece in pieces)

@@ -84,7 +84,8 @@ class FinetuneOptions:
   baseline: "longformer" (the encoder reads each example's row whole) or "segments" (the
     paper's segment baseline: the same kept tokens read in segments of `segment_length` tokens,
     each a row of its own, `longformer_jax.tasks.finetune_segments`; coreference reads its row
-    in independent segments of `segment_length` tokens itself, `coref_kind`).
+    in independent segments of `segment_length` tokens itself, `coref_kind`; WikiHop its
+    chunk-and-sum in rows of `segment_length` tokens, `tasks.wikihop`).
   segment_length: baseline "segments": the tokens of a segment's row, special tokens and the
     question included (at most the model's positions; 512 for a RoBERTa).
   segment_overlap: baseline "segments": document tokens consecutive segments share (each

@@ -23,6 +23,9 @@ parameters: a segments run saves, reloads and resumes as any run):
   token            every document position's tags from its stitched state.
   multiple_choice  each candidate's score summed over its segments (each segment's pooled `<s>`
                    scored by the kind's classifier).
+  hotpotqa         its own reading (`Kind.reads_segments`, `tasks.hotpotqa.segment_outputs`):
+                   both stages' rows `<s> [q] question [/q] segment </s>`, the heads on the
+                   states stitched back to row positions.
 
 Global attention follows the kind's mode inside each row ("first": every row's `<s>`,
 "question": `<s>` and the prefix). Run with a short model (an HF RoBERTa directory, one of ours)
@@ -49,7 +52,7 @@ from longformer_jax import segments
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data.tokenizer import SpecialIds
 from longformer_jax.tasks.finetune_kinds import (
-    Classification, Kind, MultipleChoice, QuestionAnswering, Tagging, best_spans)
+    KINDS, Classification, Kind, MultipleChoice, QuestionAnswering, Tagging, best_spans)
 
 BASELINES = ("longformer", "segments")
 SEGMENT_POOLS = segments.POOL_MODES
@@ -61,7 +64,8 @@ _ce = optax.softmax_cross_entropy_with_integer_labels
 def check_kind(kind: Kind) -> None:
   """ValueError unless `kind` can be read in segments."""
   if not isinstance(kind, _KINDS):
-    names = ", ".join(k.name for k in _KINDS)
+    own = [k.name for k in KINDS.values() if k.reads_segments]
+    names = ", ".join([k.name for k in _KINDS] + own)
     raise ValueError(f"baseline='segments' reads the tasks {names} in segments; task "
                      f"{kind.name!r} has no segment form (use baseline='longformer')")
 

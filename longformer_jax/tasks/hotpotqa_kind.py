@@ -16,6 +16,11 @@ hold the four markers `[q] [/q] [p] [s]` (`data.hotpotqa.MARKER_TOKENS`) with id
 model's vocabulary. Global attention: "default" / "question" is the paper's (`<s>`, the question
 and every marker), "first" `<s>` alone, "none" no token.
 
+The segment baseline (`--baseline segments`, `pipeline.HotpotSegments`): both stages' rows are read
+in segments of segment_length tokens, each `<s> [q] question [/q] segment </s>`, and the heads
+read the stitched states (`pipeline.segment_outputs`): the same model and parameters, the same
+batches, a run that saves, reloads and evaluates as any.
+
 Metrics (fractions in [0, 1], means over the split's records): em, f1, prec, recall (answer),
 sp_em, sp_f1, sp_prec, sp_recall (supporting facts), joint_em, joint_f1, joint_prec,
 joint_recall and paragraph_recall (the gold paragraphs among stage 1's choice, pooled over the
@@ -51,15 +56,31 @@ __all__ = ["HotpotExample", "HotpotQA", "HotpotSettings", "HotpotSplit", "trivia
 
 @dataclasses.dataclass(frozen=True)
 class HotpotSettings:
-  """What of the run's `FinetuneOptions` the kind reads (its hotpot_* fields)."""
+  """What of the run's `FinetuneOptions` the kind reads: its hotpot_* fields, and `segments`,
+  the segment baseline's reading (`pipeline.HotpotSegments`; None: rows read whole)."""
   top_k: int = 2
   sp_threshold: float = 0.5
   min_sentences: int = 0
+  segments: pipeline.HotpotSegments | None = None
 
   @classmethod
   def of(cls, options) -> HotpotSettings:
     return cls(top_k=options.hotpot_top_k, sp_threshold=float(options.hotpot_sp_threshold),
-               min_sentences=options.hotpot_min_sentences)
+               min_sentences=options.hotpot_min_sentences, segments=_segments(options))
+
+
+def _segments(options) -> pipeline.HotpotSegments | None:
+  """The segment baseline's reading of the options (baseline "segments"), else None."""
+  if options.baseline == "longformer":
+    return None
+  if options.segment_pool != "first":
+    raise ValueError(f"segment_pool={options.segment_pool!r}: HotpotQA's question type is read "
+                     f"from the first segment's <s> (segment_pool 'first'); the pool is for "
+                     f"classification")
+  return pipeline.HotpotSegments(
+      segment_length=options.segment_length, overlap=options.segment_overlap,
+      prefix_width=options.max_question_length + 2,
+      global_mode=HotpotQA().resolve_global(options.global_attention))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +157,8 @@ class HotpotQA(SettingsKind):
   required = {}
   metrics = (*HOTPOT_METRICS, "paragraph_recall")
   option_fields: ClassVar[tuple[str, ...]] = ("hotpot_stage2_length",)
+  # --baseline segments: the splits' settings carry the reading (`HotpotSettings.segments`).
+  reads_segments = True
 
   settings_class = HotpotSettings
 
@@ -210,7 +233,8 @@ class HotpotQA(SettingsKind):
     total = 0.0
     for prefix, weights in (("s1_", pipeline.STAGE1_WEIGHTS), ("s2_", pipeline.STAGE2_WEIGHTS)):
       rows = _unprefix(batch, prefix)
-      out = model(**pipeline.model_inputs(rows), max_global=max_global)
+      out = pipeline.forward(model, pipeline.model_inputs(rows), max_global=max_global,
+                             reading=self.run_settings.segments)
       total = total + pipeline.hotpot_loss(out, rows, weights=weights)[0]
     return total
 
@@ -225,9 +249,13 @@ class HotpotQA(SettingsKind):
     num = len(split) if max_examples is None else min(max_examples, len(split))
     examples = split.examples[:num]
     k = self.run_settings.top_k
+    reading = self.run_settings.segments
+    if reading is not None:  # the segments' global tokens follow the evaluation's mode
+      reading = dataclasses.replace(reading, global_mode=global_attention)
     rows1 = [_with_global(e.stage1, global_attention) for e in examples]
     logits = pipeline.run_rows(model, rows1, batch_size=batch_size,
-                               max_answer_length=max_answer_length)["paragraph_logits"]
+                               max_answer_length=max_answer_length,
+                               reading=reading)["paragraph_logits"]
     chosen = pipeline.stage1_selection(rows1, logits, k=k,
                                        num_paragraphs=[len(e.record.context) for e in examples])
     rows2 = [_with_global(hq.build_layout(
@@ -236,7 +264,7 @@ class HotpotQA(SettingsKind):
         max_question_length=split.max_question_length), global_attention)
         for e, pick in zip(examples, chosen)]
     decoded = pipeline.run_rows(model, rows2, batch_size=batch_size,
-                                max_answer_length=max_answer_length)
+                                max_answer_length=max_answer_length, reading=reading)
     preds = pipeline.predictions(rows2, decoded, sp_threshold=self.run_settings.sp_threshold,
                                  min_sentences=self.run_settings.min_sentences)
     ids = [e.record.id for e in examples]

@@ -5,10 +5,24 @@ fit one row, the four marker tokens new rows of the vocabulary, and the candidat
 laid out in a new order every epoch. The records and rows are `longformer_jax.data.wikihop`'s.
 Importing `longformer_jax.tasks.finetune` registers the kind.
 
+The segment baseline (`FinetuneOptions` baseline "segments", the paper's RoBERTa reading of
+WikiHop): the same chunk-and-sum with rows of `segment_length` tokens, each row the prefix and
+one segment of the supports, read on its own (positions restart, global attention on each row's
+prefix as the run's mode says), the candidates' scores summed over the segments. The kind reads
+it itself (`Kind.reads_segments`): the model, its parameters and the batches are the
+Longformer's, only the rows are shorter.
+
+What the length limit cut (`fd.Truncation`): nothing of the supports (every chunk is read, in
+either reading), so only a query cut by max_question_length counts; the evidence is the answer
+candidate named in a kept support (`_named_in`, as multiple choice: a text record's answer text,
+case folded, inside a support's text; an id record's answer ids as a run inside a support's).
+
 Shape letters: B batch, K chunks, N positions, C candidates.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,15 +30,39 @@ import numpy as np
 from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
 from longformer_jax.data import wikihop as wd
-from longformer_jax.tasks.finetune_kinds import Kind, _choices, _float, register
+from longformer_jax.tasks.finetune_kinds import (
+    SettingsKind, _choices, _float, _named_in, register)
 from longformer_jax.training import examples as example_batches
 from longformer_jax.wikihop import LongformerForWikiHop
 
-__all__ = ["WikiHop"]
+__all__ = ["WikiHop", "WikiHopSettings"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WikiHopSettings:
+  """What of the run's `FinetuneOptions` the kind reads: segment_length from baseline
+  "segments" (the rows' length), None for rows of max_length."""
+  segment_length: int | None = None
+
+  @classmethod
+  def of(cls, options) -> WikiHopSettings:
+    """The settings of `options`; ValueError for a segment setting WikiHop cannot honour (its
+    segments share no token and pool nothing: each is scored at its own markers)."""
+    if options.baseline != "segments":
+      return cls()
+    if options.segment_overlap:
+      raise ValueError(f"segment_overlap={options.segment_overlap}: --task wikihop reads its "
+                       f"supports in segments that share no token (chunk-and-sum); use "
+                       f"segment_overlap=0")
+    if options.segment_pool != "first":
+      raise ValueError(f"segment_pool={options.segment_pool!r} pools classification segments; "
+                       f"--task wikihop sums its candidates' scores over the segments (leave "
+                       f"segment_pool at 'first')")
+    return cls(segment_length=options.segment_length)
 
 
 @register
-class WikiHop(Kind):
+class WikiHop(SettingsKind):
   """wikihop: QAngaroo's records (`data.wikihop`: a JSON array or JSONL, text or ids) as
   `<s> [q] query [/q] [ent] c1 [/ent] ... </s> supports </s>` rows, chunked when the supports
   exceed max_length (each chunk with the prefix, candidate scores summed over chunks); global
@@ -47,6 +85,23 @@ class WikiHop(Kind):
   documents = {"supports": list, "input_ids": list}
   metrics = ("accuracy",)
   new_tokens = wd.MARKERS
+  reads_segments = True
+  settings_class = WikiHopSettings
+
+  def configured(self, options):
+    """The kind reading the rows `options` asks for (`WikiHopSettings.of`): itself for rows of
+    max_length."""
+    settings = WikiHopSettings.of(options)
+    return self if settings == self.run_settings else type(self)(settings)
+
+  def row_length(self, max_length: int) -> int:
+    """The length of the example's rows: segment_length under the segment baseline, else the
+    run's max_length."""
+    return self.run_settings.segment_length or max_length
+
+  @property
+  def _row_setting(self) -> str:
+    return "segment_length" if self.run_settings.segment_length else "max_length"
 
   def read_records(self, path, schema, *, optional, unique):
     """QAngaroo's JSON array or JSONL (`data.wikihop.read_records`)."""
@@ -58,20 +113,22 @@ class WikiHop(Kind):
     if by_text != isinstance(query, str):
       raise reader.error(record, "query", "must be a string in text records and a list of token "
                          "ids in input_ids records")
-    query = (reader.encode(record, "query", query)[0] if by_text
-             else reader.ids(record, "query", query))[:reader.max_question_length]
+    full_query = (reader.encode(record, "query", query)[0] if by_text
+                  else reader.ids(record, "query", query))
+    query = full_query[:reader.max_question_length]
     candidates = fields["candidates"]
     if len(candidates) < 2:
       raise reader.error(record, "candidates", f"needs at least 2 candidates, got "
                          f"{len(candidates)}")
-    cands = tuple(self._piece(reader, record, "candidates", i, c, by_text)
+    cands = tuple(self._piece(reader, record, "candidates", i, c, by_text)[0]
                   for i, c in enumerate(candidates))
     supports = fields["supports" if by_text else "input_ids"]
     if not supports:
       raise reader.error(record, "supports" if by_text else "input_ids",
                          "is empty (a record needs at least one support)")
-    docs = tuple(self._piece(reader, record, "supports" if by_text else "input_ids", i, d,
-                             by_text) for i, d in enumerate(supports))
+    pieces = [self._piece(reader, record, "supports" if by_text else "input_ids", i, d, by_text)
+              for i, d in enumerate(supports)]
+    docs = tuple(ids for ids, _ in pieces)
     answer = fields["answer"]
     if by_text:
       if answer not in candidates:
@@ -84,24 +141,38 @@ class WikiHop(Kind):
     else:
       label = reader.label(record, "answer", below=len(candidates))
     try:
-      rows = wd.layout(query, cands, docs, reader.specials, max_length=reader.max_length)
+      rows = wd.layout(query, cands, docs, reader.specials,
+                       max_length=self.row_length(reader.max_length), name=self._row_setting)
     except ValueError as e:
-      raise reader.error(record, "candidates", f"{e} (raise max_length or lower "
+      raise reader.error(record, "candidates", f"{e} (raise {self._row_setting} or lower "
                          f"max_question_length)") from None
+    # Every support is read (chunks, not a cut): only the query loses tokens.
+    support_tokens = sum(len(d) for d in docs)
+    named = [_named_in(candidates[label] if by_text else cands[label], ids, offsets,
+                       text_ if by_text else None, len(ids))
+             for (ids, offsets), text_ in zip(pieces, supports)]
+    evidence = (True if any(named) else False if any(n is not None for n in named) else None)
+    truncation = fd.Truncation(
+        full_length=rows.prefix_length + len(full_query) - len(query) + 2
+        + rows.document_tokens, document_tokens=support_tokens, kept_tokens=support_tokens,
+        prefix_cut=len(full_query) > len(query), evidence=evidence)
     return wd.WikiHopExample(
         record.line, rows.rows, question_end=rows.prefix_length, label=label,
         gold=candidates[label], query=query, candidates=cands, supports=docs,
-        entity_positions=rows.entity_positions, document_tokens=rows.document_tokens)
+        entity_positions=rows.entity_positions, document_tokens=rows.document_tokens,
+        truncation=truncation)
 
   @staticmethod
-  def _piece(reader, record, field: str, i: int, value, by_text: bool) -> np.ndarray:
-    """The ids of one candidate or support (a non-empty string, or ids)."""
+  def _piece(reader, record, field: str, i: int, value, by_text: bool
+             ) -> tuple[np.ndarray, np.ndarray | None]:
+    """(ids, character offsets or None) of one candidate or support (a non-empty string, or
+    ids)."""
     if not by_text:
-      return reader.ids(record, field, value, what=f"element {i}")
+      return reader.ids(record, field, value, what=f"element {i}"), None
     if not isinstance(value, str) or not value.strip():
       raise reader.error(record, field, f"element {i} must be a non-empty string, got "
                          f"{value!r}"[:300])
-    return reader.encode(record, field, value)[0]
+    return reader.encode(record, field, value)
 
   def split_fields(self, records, examples, label_names):
     return {"num_choices": max(len(e.candidates) for e in examples),
@@ -119,7 +190,7 @@ class WikiHop(Kind):
     """
     laid = [self._layout(split, i, specials, None if epochs is None else (seed, epochs[j], i))
             for j, i in enumerate(rows)]
-    k, n = split.num_chunks, split.max_length
+    k, n = split.num_chunks, self.row_length(split.max_length)
     filler = np.asarray([specials.bos, specials.eos], np.int32)
     seqs, globals_BK = [], []
     for e, (layout, _) in zip((split.examples[i] for i in rows), laid):
@@ -145,7 +216,7 @@ class WikiHop(Kind):
     order = rng.permutation(len(e.candidates))
     supports = [e.supports[s] for s in rng.permutation(len(e.supports))]
     layout = wd.layout(e.query, [e.candidates[c] for c in order], supports, specials,
-                       max_length=split.max_length)
+                       max_length=self.row_length(split.max_length))
     return layout, int(np.flatnonzero(order == e.label)[0])
 
   def _targets(self, split, laid) -> dict[str, np.ndarray]:
