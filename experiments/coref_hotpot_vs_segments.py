@@ -128,16 +128,15 @@ def arm_arguments(task: str, arm: str, p: dict) -> list[str]:
 
 
 def segment_of(task: str, p: dict, positions: np.ndarray, prefix: int = 0) -> np.ndarray:
-  """The segment of each row position under the segments arm's reading: coreference cuts the
-  row `<s> tokens </s>` into rows of `segment` tokens (position // segment); HotpotQA puts the
-  question `[q] question [/q]` (`max_question_length` + 2 slots) in every segment row `<s>
-  question part </s>` and cuts the rest of the row, from `prefix` (its first `[p]`) on, into
-  parts of the tokens left."""
+  """The segment of each row position under the segments arm's reading (`longformer_jax.
+  segments`, no overlap): coreference cuts the row `<s> tokens </s>` into rows of `segment`
+  tokens (position // segment); HotpotQA puts the row's `<s> [q] question [/q]` (its first
+  `prefix` positions, up to the first `[p]`) at the head of every segment row `<s> [q] question
+  [/q] part </s>` and cuts the rest of the row into parts of segment - prefix - 1 tokens."""
   positions = np.asarray(positions)
   if task == "coref":
     return positions // p["segment"]
-  part = p["segment"] - (p["settings"]["max_question_length"] + 2) - 2
-  return (positions - prefix) // part
+  return (positions - prefix) // (p["segment"] - prefix - 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -55,11 +55,11 @@ def test_hotpot_groups_follow_the_supporting_sentences(data):
   presets, d = data
   p, facts = presets["hotpotqa"], d["hotpotqa"]["facts"]
   assert {f["one_segment"] for f in facts.values()} == {True, False}
-  part = p["segment"] - p["settings"]["max_question_length"] - 4  # <s> [q] .. [/q] .. </s>
-  assert part > 0
-  np.testing.assert_array_equal(chs.segment_of("hotpotqa", p, np.array([10, 10 + part - 1,
-                                                                        10 + part]), 10),
-                                [0, 0, 1])
+  # A question part of 9 tokens ([q] .. [/q]): segment rows <s> [q] .. [/q] part </s>.
+  prefix, part = 10, p["segment"] - 10 - 1
+  np.testing.assert_array_equal(
+      chs.segment_of("hotpotqa", p, np.array([prefix, prefix + part - 1, prefix + part]),
+                     prefix), [0, 0, 1])
   length = presets["coref"]["segment"]
   np.testing.assert_array_equal(chs.segment_of("coref", presets["coref"],
                                                np.array([0, length - 1, length, 2 * length])),
