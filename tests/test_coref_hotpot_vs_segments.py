@@ -1,8 +1,8 @@
 """experiments/coref_hotpot_vs_segments.py: the tasks' data and their groups (links or evidence
 within one segment, or across), the arms' command lines, the starting checkpoint loading into the
-coreference model, and one --tiny run (2 arms x 2 seeds, a few steps, through train.finetune
-in-process) checked for its JSON fields, its comparisons recomputed from the per-seed values,
-and the PNG."""
+coreference model, and one --tiny run (2 tasks x 2 arms x 2 seeds, a few steps, through
+train.finetune in-process) checked for its JSON fields, its comparisons recomputed from the
+per-seed values, and the PNG."""
 
 from __future__ import annotations
 
@@ -101,42 +101,30 @@ def test_the_starting_checkpoint_starts_the_coreference_model(tmp_path):
 
 @pytest.mark.integration
 def test_tiny_run_writes_the_study(tmp_path):
-  """Coreference, 2 arms x 2 seeds of a few steps through train.finetune: every field the docs
-  promise, the comparisons recomputed from the per-seed values, and the PNG."""
+  """2 tasks x 2 arms x 2 seeds of a few steps through train.finetune: every field the docs
+  promise, each task's comparisons recomputed from its per-seed values, and the PNG."""
   out = tmp_path / "study.json"
-  assert chs.main(["--tiny", "--tasks", "coref", "--seeds", *map(str, SEEDS),
-                   "--out", str(out)]) == 0
+  assert chs.main(["--tiny", "--seeds", *map(str, SEEDS), "--out", str(out)]) == 0
   assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   study = json.loads(out.read_text())
   assert study["study"] == "coref_hotpot_vs_segments" and study["verdict"]
-  assert study["setup"]["seeds"] == SEEDS and set(study["tasks"]) == {"coref"}
-  entry = study["tasks"]["coref"]
-  assert set(entry["arms"]) == set(chs.ARMS) and entry["metric"] == "conll_f1"
-  assert_study_claims(entry, study_lib, higher_is_better=True)
-  assert entry["comparisons"][0]["design"] == "paired"
-  assert entry["detectable_difference"]["design"] == "paired"
-  for arm in entry["arms"].values():
-    assert arm["seeds"] == SEEDS and len(arm["values"]) == 2
-    assert all(0.0 <= v <= 1.0 for v in arm["values"])
-    assert sum(arm["by_evidence"][g]["examples"] for g in chs.GROUPS) == P["coref"]["eval"]
-    assert set(arm["also"]) == set(chs.ALSO["coref"])
-  assert set(entry["by_evidence_comparisons"]) == set(chs.GROUPS)
+  assert study["setup"]["seeds"] == SEEDS and set(study["tasks"]) == set(chs.TASKS)
+  for task, entry in study["tasks"].items():
+    assert set(entry["arms"]) == set(chs.ARMS) and entry["metric"] == chs.METRICS[task]
+    assert_study_claims(entry, study_lib, higher_is_better=True)
+    assert entry["comparisons"][0]["design"] == "paired"
+    assert entry["detectable_difference"]["design"] == "paired"
+    for arm in entry["arms"].values():
+      assert arm["seeds"] == SEEDS and len(arm["values"]) == 2
+      assert all(0.0 <= v <= 1.0 for v in arm["values"])
+      # Every held-out example is in one group, and both groups hold some.
+      assert sum(arm["by_evidence"][g]["examples"] for g in chs.GROUPS) == P[task]["eval"]
+      assert all(arm["by_evidence"][g]["examples"] for g in chs.GROUPS)
+      assert set(arm["also"]) == set(chs.ALSO[task])
+    assert set(entry["by_evidence_comparisons"]) == set(chs.GROUPS)
+  assert study["setup"]["arms"]["hotpotqa"]["segments"][:2] == ["--baseline", "segments"]
   # --replot rederives everything from the JSON alone.
   again = tmp_path / "again.json"
   again.write_text(out.read_text())
   assert chs.main(["--replot", "--out", str(again)]) == 0
   assert json.loads(again.read_text())["verdict"] == study["verdict"]
-
-
-@pytest.mark.integration
-def test_hotpot_runs_score_by_group(data, tmp_path):
-  """One HotpotQA run of the Longformer arm: the per-group scores from its predictions, with the
-  command's scorer giving its joint F1 back over every record (`run_arm` checks it)."""
-  presets, d = data
-  p = presets["hotpotqa"]
-  start = chs.svl.short_model_made_long(p, 0, tmp_path / "start")
-  result = chs.run_arm("hotpotqa", "longformer", 0, p, start, d, tmp_path / "run",
-                       lambda text: None)
-  assert set(result["by_evidence"]) == set(chs.GROUPS)
-  assert sum(g["examples"] for g in result["by_evidence"].values()) == p["eval"]
-  assert set(result["also"]) == set(chs.ALSO["hotpotqa"])
