@@ -16,7 +16,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
-from testing import assert_study_claims
+from testing import assert_paired_task, run_tiny_study
 import coref_hotpot_vs_segments as chs
 import study as study_lib
 
@@ -104,16 +104,11 @@ def test_tiny_run_writes_the_study(tmp_path):
   """2 tasks x 2 arms x 2 seeds of a few steps through train.finetune: every field the docs
   promise, each task's comparisons recomputed from its per-seed values, and the PNG."""
   out = tmp_path / "study.json"
-  assert chs.main(["--tiny", "--seeds", *map(str, SEEDS), "--out", str(out)]) == 0
-  assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  study = json.loads(out.read_text())
-  assert study["study"] == "coref_hotpot_vs_segments" and study["verdict"]
-  assert study["setup"]["seeds"] == SEEDS and set(study["tasks"]) == set(chs.TASKS)
+  study = run_tiny_study(chs.main, out, SEEDS)
+  assert study["study"] == "coref_hotpot_vs_segments" and set(study["tasks"]) == set(chs.TASKS)
   for task, entry in study["tasks"].items():
-    assert set(entry["arms"]) == set(chs.ARMS) and entry["metric"] == chs.METRICS[task]
-    assert_study_claims(entry, study_lib, higher_is_better=True)
-    assert entry["comparisons"][0]["design"] == "paired"
-    assert entry["detectable_difference"]["design"] == "paired"
+    assert entry["metric"] == chs.METRICS[task]
+    assert_paired_task(entry, chs.ARMS, study_lib)
     for arm in entry["arms"].values():
       assert arm["seeds"] == SEEDS and len(arm["values"]) == 2
       assert all(0.0 <= v <= 1.0 for v in arm["values"])

@@ -15,7 +15,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "experiments"))
-from testing import assert_study_claims
+from testing import assert_paired_task, run_tiny_study
 import segments_vs_longformer as svl
 import study as study_lib
 
@@ -82,17 +82,11 @@ def test_tiny_run_writes_the_study(tmp_path):
   """2 tasks x 2 arms x 2 seeds of a few steps through train.finetune: every field the docs
   promise, each task's comparisons recomputed from its per-seed values, and the PNG."""
   out = tmp_path / "study.json"
-  assert svl.main(["--tiny", "--seeds", *map(str, SEEDS), "--out", str(out)]) == 0
-  assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-  study = json.loads(out.read_text())
-  assert study["study"] == "segments_vs_longformer" and study["verdict"]
-  assert study["setup"]["seeds"] == SEEDS and study["setup"]["segment"] == 64
+  study = run_tiny_study(svl.main, out, SEEDS)
+  assert study["study"] == "segments_vs_longformer" and study["setup"]["segment"] == 64
   assert set(study["tasks"]) == set(svl.TASKS)
   for entry in study["tasks"].values():
-    assert set(entry["arms"]) == set(svl.ARMS)
-    assert_study_claims(entry, study_lib, higher_is_better=True)
-    assert entry["comparisons"][0]["design"] == "paired"
-    assert entry["detectable_difference"]["design"] == "paired"
+    assert_paired_task(entry, svl.ARMS, study_lib)
     for arm in entry["arms"].values():
       assert arm["seeds"] == SEEDS and len(arm["values"]) == 2
       # Every held-out example is in one evidence group and in one length bucket.

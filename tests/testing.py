@@ -11,6 +11,7 @@ path), never from another test module.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import subprocess
@@ -197,6 +198,25 @@ def assert_study_claims(study: dict, study_lib, *, higher_is_better: bool | None
       expected = study_lib.detectable_difference(a["values"], b["values"])
     assert c["detectable_difference"] == pytest.approx(expected), c["paper_says"]
     assert c["outcome"] == study_lib.outcome(c["difference"], c["detectable_difference"])
+
+
+def run_tiny_study(main, out, seeds, *args) -> dict:
+  """Runs a study's `main` at its --tiny size with `seeds` (and `args`) writing `out`: its JSON
+  (read back) with the study's name and verdict, and a PNG beside it."""
+  assert main(["--tiny", "--seeds", *map(str, seeds), "--out", str(out), *args]) == 0
+  assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  study = json.loads(out.read_text())
+  assert study["verdict"] and study["setup"]["seeds"] == list(seeds)
+  return study
+
+
+def assert_paired_task(entry: dict, arms, study_lib) -> None:
+  """A task of a paired study (its arms start each seed alike): the arms, and every comparison
+  paired and recomputed from the per-seed values (`assert_study_claims`, higher is better)."""
+  assert set(entry["arms"]) == set(arms)
+  assert_study_claims(entry, study_lib, higher_is_better=True)
+  assert entry["comparisons"][0]["design"] == "paired"
+  assert entry["detectable_difference"]["design"] == "paired"
 
 
 def tiny_encoder_config(**changes):
