@@ -49,8 +49,9 @@ The cpu size: 7.6 minutes on 2 shared cores (12 runs; coreference 250 steps, Hot
 
 Writes experiments/results/coref_hotpot_vs_segments.json ({"study", "metric", "tasks": {task:
 {"metric", "arms": {arm: {"seeds", "values", "mean", "std", "by_evidence", "also", "seconds"}},
-"comparisons", "by_evidence_comparisons", "detectable_difference", "data"}}, "paper", "setup",
-"verdict"}) and its PNG.
+"comparisons", "by_evidence_comparisons", "detectable_difference", "data"}}, "arms",
+"comparisons" and "detectable_difference" (the first task's, the study's headline), "paper",
+"setup", "verdict"}) and its PNG.
 """
 
 from __future__ import annotations
@@ -324,6 +325,11 @@ def _group(c: dict | None) -> str:
 def summarize_study(study: dict) -> dict:
   for entry in study["tasks"].values():
     svl.summarize_task(entry)
+  # The headline "arms", "comparisons" and "detectable_difference" every study JSON carries: the
+  # first task's (coreference, when run).
+  headline = next(iter(study["tasks"].values()))
+  for key in ("arms", "comparisons", "detectable_difference"):
+    study[key] = headline[key]
   parts, scales = [], []
   setup = study["setup"]
   for task, entry in study["tasks"].items():

@@ -118,6 +118,8 @@ def test_tiny_run_writes_the_study(tmp_path):
       assert set(arm["also"]) == set(chs.ALSO[task])
     assert set(entry["by_evidence_comparisons"]) == set(chs.GROUPS)
   assert study["setup"]["arms"]["hotpotqa"]["segments"][:2] == ["--baseline", "segments"]
+  assert study["arms"] == study["tasks"]["coref"]["arms"]  # the headline: the first task's
+  assert study["detectable_difference"]["design"] == "paired"
   # --replot rederives everything from the JSON alone.
   again = tmp_path / "again.json"
   again.write_text(out.read_text())
