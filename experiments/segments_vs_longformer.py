@@ -10,7 +10,8 @@ evidence the baseline cannot put together, not on those that fit one segment. He
 on tasks whose evidence lies inside the first segment in some examples and beyond it in others,
 and the results are split by where the evidence was and by length bucket.
 
-Scale (the paper's 512 / 4,096 scaled down): segments of `segment` = 64 tokens, documents of
+Scale (the paper's 512 / 4,096 scaled down): segments of `segment` = 64 tokens (QA:
+`qa_segment` = 128, below), documents of
 `min_len`..`max_len` (96..320) characters of the bundled Wikipedia sample's text8 form (one id per
 character: ' ' and a..z are ids 10..36), rows of `max_length` = 384, the length buckets split at
 `bucket` = 128 tokens. The model: per seed ONE short tiny Longformer masked LM (2 layers, hidden
@@ -46,7 +47,14 @@ inside the first segment and others beyond):
                   question, so the baseline can find evidence in any segment that holds it whole.
                   The presets hold one key (no distractor): with 3 keys neither arm of the
                   random-weight tiny model learned the lookup in 150 steps (exact match 0.004
-                  and 0.012, seed 0), which would have compared nothing.
+                  and 0.012, seed 0), which would have compared nothing. QA's segments are
+                  `qa_segment` = 128 tokens: in rows holding at most 59 document tokens this
+                  model does not learn the lookup in 400 steps whichever way it reads them
+                  (seed 0: segments of 64, exact match 0.004, 0.000 with the question global;
+                  the Longformer itself on 30..55-character documents, rows of 64 or 384:
+                  0.055 and 0.004), while with 123 it does (segments of 128, window 32,
+                  question global: 0.680; one segment of 384: 0.664 against the Longformer's
+                  0.570, the two identical for their first 80 steps).
 
 Metric: held-out accuracy (classification) and exact match (QA), per seed; the paired design
 (`study.compare(design="paired")`: same seed, same start and batches) with its detectable
@@ -97,15 +105,15 @@ LABEL_ID, KEY_ID, NUM_KEYS = 500, 400, 16
 
 PRESETS = {
     # Measured: 12 runs (2 tasks x 2 arms x 3 seeds) in 9.3 minutes on 2 shared cores.
-    "cpu": dict(segment=64, min_len=96, max_len=320, max_length=384, bucket=128, train=480,
-                eval=256, steps=150, qa_steps=400, batch=8, lr=3e-3, qa_lr=5e-3, copies=12,
-                cluster=24, keys=1),
-    "gpu": dict(segment=64, min_len=96, max_len=320, max_length=384, bucket=128, train=2000,
-                eval=1000, steps=600, qa_steps=1500, batch=16, lr=2e-3, qa_lr=3e-3, copies=12,
-                cluster=24, keys=1),
-    "tiny": dict(segment=64, min_len=96, max_len=160, max_length=192, bucket=128, train=16,
-                 eval=16, steps=2, qa_steps=2, batch=4, lr=3e-3, qa_lr=3e-3, copies=12,
-                 cluster=24, keys=1),
+    "cpu": dict(segment=64, qa_segment=128, min_len=96, max_len=320, max_length=384, bucket=128,
+                train=480, eval=256, steps=150, qa_steps=400, batch=8, lr=3e-3, qa_lr=5e-3,
+                copies=12, cluster=24, keys=1),
+    "gpu": dict(segment=64, qa_segment=128, min_len=96, max_len=320, max_length=384, bucket=128,
+                train=2000, eval=1000, steps=600, qa_steps=1500, batch=16, lr=2e-3, qa_lr=3e-3,
+                copies=12, cluster=24, keys=1),
+    "tiny": dict(segment=64, qa_segment=64, min_len=96, max_len=160, max_length=192, bucket=128,
+                 train=16, eval=16, steps=2, qa_steps=2, batch=4, lr=3e-3, qa_lr=3e-3,
+                 copies=12, cluster=24, keys=1),
 }
 
 
@@ -125,10 +133,15 @@ def _filler(rng: np.random.Generator, text: np.ndarray, length: int) -> np.ndarr
   return text[start:start + length].copy()
 
 
+def segment_of(p: dict, task: str) -> int:
+  """The task's segment length: `qa_segment` for QA, `segment` otherwise (see PRESETS)."""
+  return p["qa_segment"] if task == "qa" else p["segment"]
+
+
 def first_segment_capacity(p: dict, task: str) -> int:
   """Document tokens the first segment row holds: classification `<s> seg </s>`, QA `<s> q
   </s></s> seg </s>` with a one-token question."""
-  return p["segment"] - (2 if task == "classification" else 1 + 4)
+  return segment_of(p, task) - (2 if task == "classification" else 1 + 4)
 
 
 def classification_records(p: dict, n: int, rng: np.random.Generator, text: np.ndarray,
@@ -249,11 +262,12 @@ def finetune(argv: Sequence[str], workdir: Path) -> dict:
   return json.loads((workdir / "results.json").read_text())["validation"]
 
 
-def arm_arguments(p: dict, arm: str) -> list[str]:
+def arm_arguments(p: dict, arm: str, task: str) -> list[str]:
   if arm == "longformer":
     return []
-  return ["--baseline", "segments", "--segment-length", str(p["segment"]),
-          "--set", "global_attention=none", "--set", f"model.attention_window={p['segment']}"]
+  segment = segment_of(p, task)
+  return ["--baseline", "segments", "--segment-length", str(segment),
+          "--set", "global_attention=none", "--set", f"model.attention_window={segment}"]
 
 
 def run_arm(p: dict, task: str, arm: str, seed: int, start: Path, data: dict, workdir: Path,
@@ -268,7 +282,7 @@ def run_arm(p: dict, task: str, arm: str, seed: int, start: Path, data: dict, wo
           "--learning-rate", str(p[f"{prefix}lr"]), "--seed", str(seed),
           "--workdir", str(workdir),
           "--length-buckets", str(p["bucket"]), "--no-progress",
-          "--set", "model.attention_impl=reference", *arm_arguments(p, arm)]
+          "--set", "model.attention_impl=reference", *arm_arguments(p, arm, task)]
   tick = time.perf_counter()
   results = finetune(argv, workdir)
   predictions = [json.loads(line) for line in
@@ -493,12 +507,13 @@ def run(args, p: dict, log, start: float) -> dict:
                 "data": "text8 form of the bundled Wikipedia sample, one id per character; "
                         "classification: a cluster of marker copies spells the label; QA: the "
                         "span after the asked one of several keys",
-                "scale": f"segments of {p['segment']} tokens, rows of {p['max_length']} (the "
-                         f"paper: 512 and 4,096)",
+                "scale": f"segments of {p['segment']} tokens (QA {p['qa_segment']}), rows of "
+                         f"{p['max_length']} (the paper: 512 and 4,096)",
                 "start": "per seed one tiny masked LM, its first segment+2 position rows copied "
                          "over the long table, global projections copied from the local ones, "
                          "saved once; both arms fine-tune it",
-                "arms": {arm: arm_arguments(p, arm) for arm in ARMS},
+                "arms": {task: {arm: arm_arguments(p, arm, task) for arm in ARMS}
+                         for task in TASKS},
                 "seconds": seconds, "minutes": round(seconds / 60, 1),
                 "devices": str(jax.devices()), **study_lib.harness.stamp()},
       "seconds": seconds,

@@ -48,7 +48,7 @@ def test_classification_evidence_is_wholly_inside_or_beyond_the_first_segment(te
 @pytest.mark.unit
 def test_qa_answer_is_the_span_after_the_asked_key(text):
   capacity = svl.first_segment_capacity(P, "qa")
-  assert capacity == P["segment"] - 5  # <s> q </s></s> segment </s>, one-token question
+  assert capacity == svl.segment_of(P, "qa") - 5  # <s> q </s></s> segment </s>, one question token
   records = svl.qa_records(P, 200, np.random.default_rng(0), text, "x")
   assert {r["_first_segment"] for r in records} == {True, False}
   for r in records:
