@@ -162,13 +162,15 @@ choices = lambda x: x.reshape(2, 2, 24)  # [batch 2, choices 2, seq]
 check("heads, Explicit, tensor parallel", Heads, encoder_args + tuple(map(choices, encoder_args)),
       mesh, tp_rules, (P("data"),) * 6, max_global=1)
 
-char_config = CharLMConfig.tiny(vocab_size=64, hidden_dropout_prob=0.0, num_hidden_layers=2,
-                                 hidden_size=32, intermediate_size=64, attention_window=(2, 4))
+# The char LM and LED on one layer (each stack): a second layer adds parameters of the same
+# kinds under the same rules, and as much compile time again.
+char_config = CharLMConfig.tiny(vocab_size=64, hidden_dropout_prob=0.0, num_hidden_layers=1,
+                                 hidden_size=32, intermediate_size=64, attention_window=4)
 char_lm = lambda: LongformerForCausalLM(char_config, rngs=nnx.Rngs(0))
 check("char LM, Explicit, FSDP", char_lm, (input_ids,), mesh, fsdp_rules, (P("data"),))
 check("char LM, Auto, tensor parallel", char_lm, (input_ids,), auto_mesh, tp_rules, (P("data"),))
 
-led_config = LEDConfig.tiny(dropout=0.0)
+led_config = LEDConfig.tiny(dropout=0.0, encoder_layers=1, decoder_layers=1, attention_window=4)
 decoder_ids = rng.integers(3, 64, (4, 10)).astype(np.int32)
 decoder_mask = np.ones((4, 10), np.int32)
 decoder_mask[2, 7:] = 0
