@@ -168,12 +168,14 @@ def test_classification_pools_the_first_or_every_segments_start(tmp_path):
   document = split.examples[0].input_ids[1:-1]
   room = 10 - 2
   starts = []
+  # Jitted (eager, each row length compiles every primitive anew); <s> is the one global token.
+  encode = nnx.jit(lambda m, ids, mask, global_mask: m.longformer(
+      ids, mask, global_mask, max_global=1).last_hidden_state)
   for s in range(-(-len(document) // room)):  # each segment's <s> state, its row read alone
     row = np.concatenate([[_SPECIALS.bos], document[s * room:(s + 1) * room],
                           [_SPECIALS.eos]])[None]
-    starts.append(np.asarray(model.longformer(row, np.ones_like(row), np.eye(1, row.shape[1],
-                                                                             dtype=int))
-                             .last_hidden_state[:, :1]))
+    starts.append(np.asarray(encode(model, row, np.ones_like(row),
+                                    np.eye(1, row.shape[1], dtype=int))[:, :1]))
   assert len(starts) == 4
   expected = {"first": model.classifier(starts[0]),
               "mean": model.classifier(np.mean(starts, axis=0))}
@@ -181,8 +183,8 @@ def test_classification_pools_the_first_or_every_segments_start(tmp_path):
     reading = ft.FinetuneOptions(baseline="segments", segment_length=10,
                                  segment_pool=pool).reading(kind, "first")
     batch = reading.batch(split, [0], global_attention="first", specials=_SPECIALS)
-    np.testing.assert_allclose(reading.logits(model, batch)["logits"], want, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(nnx.jit(reading.logits)(model, batch)["logits"], want,
+                               rtol=1e-5, atol=1e-6)
   # The two pools differ by more than the tolerance above (an untrained head: by little).
   assert np.abs(np.asarray(expected["first"]) - np.asarray(expected["mean"])).max() > 2e-5
 
@@ -199,18 +201,24 @@ def test_editing_segment_two_leaves_segment_one_alone(tmp_path):
   model = _model(kind, split)
   reading = ft.FinetuneOptions(baseline="segments", segment_length=16).reading(kind, "question")
   states = []
+  # Jitted, each program once for both splits (eager, every primitive compiles anew).
+  row_states = nnx.jit(lambda m, b: reading.encode(m, b).row_states)
   for s in (split, split2):
     batch = reading.batch(s, [0], global_attention="question", specials=_SPECIALS)
-    states.append(np.asarray(reading.encode(model, batch).row_states))
+    states.append(np.asarray(row_states(model, batch)))
   first, second = states
   np.testing.assert_array_equal(first[0, 0], second[0, 0])  # segment 1: bit-identical
   assert not np.array_equal(first[0, 1], second[0, 1])  # segment 2 itself changed
   # The Longformer reads the whole row: the edit reaches the first segment's positions.
   plain = []
+  encode = nnx.jit(lambda m, b, max_global: m.longformer(
+      b["input_ids"], b["attention_mask"], b["global_attention_mask"],
+      max_global=max_global).last_hidden_state, static_argnames="max_global")
   for s in (split, split2):
     batch = kind.batch(s, [0], global_attention="question", specials=_SPECIALS)
-    plain.append(np.asarray(model.longformer(batch["input_ids"], batch["attention_mask"],
-                                             batch["global_attention_mask"]).last_hidden_state))
+    # The row's exact number of global tokens (the question's).
+    max_global = int(np.asarray(batch["global_attention_mask"]).sum(-1).max())
+    plain.append(np.asarray(encode(model, batch, max_global=max_global)))
   assert np.abs(plain[0][0, 5:5 + room] - plain[1][0, 5:5 + room]).max() > 1e-4
 
 
