@@ -55,20 +55,29 @@ def _model(kind, split):
   return model
 
 
-def _both(kind, model, split, segment_length):
-  """(the Longformer's logits, outputs, loss; the segments' logits, outputs, loss, batch)."""
+def _segmented(kind, model, split, segment_length, *, loss=True):
+  """The segments' (logits, outputs, loss or None, batch), each a jitted program: eager, every
+  primitive of the model compiles anew for each batch shape, several times the time."""
   mode = kind.resolve_global("default")
-  rows = list(range(len(split)))
-  batch = kind.batch(split, rows, global_attention=mode, specials=_SPECIALS)
-  logits = kind.logits(model, batch, split.max_global(mode))
-  plain = (logits, kind.outputs(logits, 30), kind.loss(model, batch, split.max_global(mode)))
   reading = ft.FinetuneOptions(baseline="segments", segment_length=segment_length).reading(
       kind, mode)
   reading.check(split)
-  seg_batch = reading.batch(split, rows, global_attention=mode, specials=_SPECIALS)
-  seg_logits = reading.logits(model, seg_batch)
-  return plain, (seg_logits, reading.outputs(seg_logits, 30), reading.loss(model, seg_batch),
-                 seg_batch)
+  seg_batch = reading.batch(split, list(range(len(split))), global_attention=mode,
+                            specials=_SPECIALS)
+  seg_logits = nnx.jit(reading.logits)(model, seg_batch)
+  seg_loss = nnx.jit(reading.loss)(model, seg_batch) if loss else None
+  return seg_logits, reading.outputs(seg_logits, 30), seg_loss, seg_batch
+
+
+def _both(kind, model, split, segment_length):
+  """(the Longformer's logits, outputs, loss; the segments' logits, outputs, loss, batch)."""
+  mode = kind.resolve_global("default")
+  batch = kind.batch(split, list(range(len(split))), global_attention=mode, specials=_SPECIALS)
+  max_global = split.max_global(mode)
+  logits = nnx.jit(lambda m, b: kind.logits(m, b, max_global))(model, batch)
+  plain = (logits, kind.outputs(logits, 30),
+           nnx.jit(lambda m, b: kind.loss(m, b, max_global))(model, batch))
+  return plain, _segmented(kind, model, split, segment_length)
 
 
 @pytest.mark.parametrize("task", ["classification", "qa", "token", "multiple_choice"])
@@ -113,14 +122,19 @@ def test_segments_are_rows_read_alone_stitched_and_summed(tmp_path):
   qa = _split(tmp_path, "qa", _records("qa", (30, 12), seed=1), max_length=48)
   kind = ft.KINDS["qa"]
   model = _model(kind, qa)
-  _, (seg_logits, seg_outputs, _, _) = _both(kind, model, qa, 16)
+  # The plain model's call, jitted once (one program per row length: eager, each new length
+  # compiles every primitive again); max_global: the row's exact number of global tokens.
+  read_alone = nnx.jit(lambda m, ids, mask, global_mask, max_global: m(
+      ids, mask, global_mask, max_global=max_global), static_argnames="max_global")
+  seg_logits, seg_outputs, _, _ = _segmented(kind, model, qa, 16, loss=False)
   room = 16 - 5 - 1  # <s> q q </s></s> ... </s>
   for i, e in enumerate(qa.examples):
     document = e.input_ids[e.context[0]:e.context[1]]
     for s in range(-(-len(document) // room)):
       piece = document[s * room:(s + 1) * room]
       row = np.concatenate([e.input_ids[:5], piece, [_SPECIALS.eos]])[None]
-      alone = model(row, np.ones_like(row), (np.arange(row.shape[1]) < 3)[None].astype(int))
+      alone = read_alone(model, row, np.ones_like(row),
+                         (np.arange(row.shape[1]) < 3)[None].astype(int), max_global=3)
       np.testing.assert_allclose(seg_logits["start_logits"][i, s * room:s * room + len(piece)],
                                  alone.start_logits[0, 5:5 + len(piece)], rtol=1e-5, atol=1e-6)
     assert (seg_logits["start_logits"][i, len(document):] == -1e9).all()  # nothing read there
@@ -130,7 +144,7 @@ def test_segments_are_rows_read_alone_stitched_and_summed(tmp_path):
               max_length=40)
   kind = ft.KINDS["multiple_choice"]
   model = _model(kind, mc)
-  _, (seg_logits, _, _, _) = _both(kind, model, mc, 14)
+  seg_logits, _, _, _ = _segmented(kind, model, mc, 14, loss=False)
   for i, e in enumerate(mc.examples):
     for c, (row, end) in enumerate(zip(e.input_ids, e.candidate_ends)):
       document, head = row[end + 2:-1], row[:end + 2]
@@ -139,8 +153,9 @@ def test_segments_are_rows_read_alone_stitched_and_summed(tmp_path):
       for s in range(-(-len(document) // room)):
         seg = np.concatenate([head, document[s * room:(s + 1) * room], [_SPECIALS.eos]])
         ids = seg[None, None]
-        total += float(model(ids, np.ones_like(ids), (np.arange(len(seg)) < end)[None, None]
-                             .astype(int)).logits[0, 0])
+        total += float(read_alone(model, ids, np.ones_like(ids),
+                                  (np.arange(len(seg)) < end)[None, None].astype(int),
+                                  max_global=end).logits[0, 0])
       assert seg_logits["logits"][i, c] == pytest.approx(total, rel=1e-5, abs=1e-6)
     assert (seg_logits["logits"][i, len(e.input_ids):] == -1e9).all()
 
@@ -153,12 +168,14 @@ def test_classification_pools_the_first_or_every_segments_start(tmp_path):
   document = split.examples[0].input_ids[1:-1]
   room = 10 - 2
   starts = []
+  # Jitted (eager, each row length compiles every primitive anew); <s> is the one global token.
+  encode = nnx.jit(lambda m, ids, mask, global_mask: m.longformer(
+      ids, mask, global_mask, max_global=1).last_hidden_state)
   for s in range(-(-len(document) // room)):  # each segment's <s> state, its row read alone
     row = np.concatenate([[_SPECIALS.bos], document[s * room:(s + 1) * room],
                           [_SPECIALS.eos]])[None]
-    starts.append(np.asarray(model.longformer(row, np.ones_like(row), np.eye(1, row.shape[1],
-                                                                             dtype=int))
-                             .last_hidden_state[:, :1]))
+    starts.append(np.asarray(encode(model, row, np.ones_like(row),
+                                    np.eye(1, row.shape[1], dtype=int))[:, :1]))
   assert len(starts) == 4
   expected = {"first": model.classifier(starts[0]),
               "mean": model.classifier(np.mean(starts, axis=0))}
@@ -166,8 +183,8 @@ def test_classification_pools_the_first_or_every_segments_start(tmp_path):
     reading = ft.FinetuneOptions(baseline="segments", segment_length=10,
                                  segment_pool=pool).reading(kind, "first")
     batch = reading.batch(split, [0], global_attention="first", specials=_SPECIALS)
-    np.testing.assert_allclose(reading.logits(model, batch)["logits"], want, rtol=1e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(nnx.jit(reading.logits)(model, batch)["logits"], want,
+                               rtol=1e-5, atol=1e-6)
   # The two pools differ by more than the tolerance above (an untrained head: by little).
   assert np.abs(np.asarray(expected["first"]) - np.asarray(expected["mean"])).max() > 2e-5
 
@@ -184,18 +201,24 @@ def test_editing_segment_two_leaves_segment_one_alone(tmp_path):
   model = _model(kind, split)
   reading = ft.FinetuneOptions(baseline="segments", segment_length=16).reading(kind, "question")
   states = []
+  # Jitted, each program once for both splits (eager, every primitive compiles anew).
+  row_states = nnx.jit(lambda m, b: reading.encode(m, b).row_states)
   for s in (split, split2):
     batch = reading.batch(s, [0], global_attention="question", specials=_SPECIALS)
-    states.append(np.asarray(reading.encode(model, batch).row_states))
+    states.append(np.asarray(row_states(model, batch)))
   first, second = states
   np.testing.assert_array_equal(first[0, 0], second[0, 0])  # segment 1: bit-identical
   assert not np.array_equal(first[0, 1], second[0, 1])  # segment 2 itself changed
   # The Longformer reads the whole row: the edit reaches the first segment's positions.
   plain = []
+  encode = nnx.jit(lambda m, b, max_global: m.longformer(
+      b["input_ids"], b["attention_mask"], b["global_attention_mask"],
+      max_global=max_global).last_hidden_state, static_argnames="max_global")
   for s in (split, split2):
     batch = kind.batch(s, [0], global_attention="question", specials=_SPECIALS)
-    plain.append(np.asarray(model.longformer(batch["input_ids"], batch["attention_mask"],
-                                             batch["global_attention_mask"]).last_hidden_state))
+    # The row's exact number of global tokens (the question's).
+    max_global = int(np.asarray(batch["global_attention_mask"]).sum(-1).max())
+    plain.append(np.asarray(encode(model, batch, max_global=max_global)))
   assert np.abs(plain[0][0, 5:5 + room] - plain[1][0, 5:5 + room]).max() > 1e-4
 
 

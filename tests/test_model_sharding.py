@@ -3,7 +3,9 @@ simulated CPU devices: forward and every parameter gradient equal the unsharded 
 1e-4, float32), with tensor-parallel rules (heads, mlp and vocab over 'model', batch over 'data'),
 FSDP rules (`embed` over 'data') and data-parallel ones (every parameter replicated, the batch over
 4 devices): every encoder head, the char LM and LED (conditional generation and question
-answering). The docs' sharding example is part of the script, verbatim.
+answering). The docs' sharding example is part of the script, verbatim. Compiling is most of the
+time: the models checked on one mesh run side by side in one program, and one unsharded program
+runs them all for reference.
 
 The process has one CPU device, so `test_on_four_devices` reruns the script below in a
 subprocess with `--xla_force_host_platform_device_count=4`.
@@ -22,6 +24,7 @@ pytestmark = pytest.mark.integration
 
 _SCRIPT = r'''
 import dataclasses
+from typing import Callable, NamedTuple
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from jax.sharding import AxisType, PartitionSpec as P
@@ -65,7 +68,7 @@ def copy_weights(model, reference):
 
 
 def outputs(out):
-  """The output array(s) of any head, as one array."""
+  """The output array(s) of any head, as one array (`Heads`: a dict of them)."""
   if hasattr(out, "start_logits"):
     return jnp.stack([out.start_logits, out.end_logits], -1)
   if hasattr(out, "last_hidden_state"):
@@ -73,41 +76,67 @@ def outputs(out):
   return out.logits if hasattr(out, "logits") else out
 
 
-def loss_and_grads(model, *args, **kwargs):
+class Together(nnx.Module):
+  """Models side by side, each as built alone, run in one program: compiling dominates this
+  test, and one program for several models compiles in about two thirds of the time of one
+  program each."""
+
+  def __init__(self, names):
+    for name in names:
+      setattr(self, name, MODELS[name].build())
+
+
+def loss_and_grads(model, args):
+  """{model name: its outputs} and {parameter path: gradient} of `model` (a `Together`) on
+  `args` ({model name: its array arguments}; its other arguments are MODELS[name].kwargs)."""
   @nnx.jit
-  def run(model, *args):
+  def run(model, args):
     def loss(model):
-      logits = outputs(model(*args, **kwargs))
-      cotangent = jax.random.normal(jax.random.key(1), logits.shape)
-      return jnp.sum(logits * cotangent), logits
+      logits = {name: outputs(getattr(model, name)(*a, **MODELS[name].kwargs))
+                for name, a in args.items()}
+      # The same cotangent for each output array, whichever models run beside it.
+      return sum(jnp.sum(x * jax.random.normal(jax.random.key(1), x.shape))
+                 for x in jax.tree.leaves(logits)), logits
     return nnx.grad(loss, has_aux=True)(model)
-  grads, logits = run(model, *args)
-  return logits, nnx.to_flat_state(grads)
+  grads, logits = run(model, args)
+  return logits, dict(nnx.to_flat_state(grads))
 
 
-_references = {}  # one unsharded run per model and inputs, however many meshes check it
-
-
-def check(name, build, args, mesh, rules, arg_specs, **kwargs):
-  key = (build, tuple(map(id, args)), tuple((k, id(v)) for k, v in sorted(kwargs.items())))
-  if key not in _references:
-    reference = build()
-    _references[key] = (reference, *loss_and_grads(reference, *args, **kwargs))
-  reference, want_logits, want_grads = _references[key]
+def check(name, mesh, rules, names):
+  """The models `names` sharded on `mesh` by `rules`: outputs and every parameter gradient
+  equal the unsharded run's."""
   with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-    model = build()
-    copy_weights(model, reference)
-    placed = [jax.device_put(a, s) for a, s in zip(args, arg_specs)]
-    logits, grads = loss_and_grads(model, *placed, **kwargs)
-  assert_close(logits, want_logits, 1e-5, f"{name} logits")
-  assert len(grads) == len(want_grads) > 10
+    model = Together(names)
+    for n in names:
+      copy_weights(getattr(model, n), getattr(reference, n))
+    placed = {n: tuple(jax.device_put(a, s) for a, s in zip(MODELS[n].args, MODELS[n].specs))
+              for n in names}
+    logits, grads = loss_and_grads(model, placed)
+  for n in names:
+    # Each output array against its own scale (`Heads`: one per head).
+    named = lambda x: x if isinstance(x, dict) else {"": x}
+    assert named(logits[n]).keys() == named(want_logits[n]).keys()
+    for head, want in named(want_logits[n]).items():
+      what = f"{name}: {' '.join(filter(None, (n, head)))} logits"
+      assert_close(named(logits[n])[head], want, 1e-5, what)
+      error = np.max(np.abs(np.asarray(named(logits[n])[head]) - np.asarray(want)))
+      print(f"{what} {error:.2g}")
+    paths = {path for path in want_grads if path[0] == n}
+    assert {path for path in grads if path[0] == n} == paths and len(paths) > 10, n
+  assert len(grads) == sum(1 for path in want_grads if path[0] in names)
   worst = 0.0
-  for (path, g), (want_path, w) in zip(grads, want_grads):
-    assert path == want_path
+  for path, g in grads.items():
+    w = want_grads[path]
     assert_close(g[...], w[...], 1e-4, f"{name} grad {path}")
     worst = max(worst, float(np.max(np.abs(np.asarray(g[...]) - np.asarray(w[...])))))
-  logits_error = float(np.max(np.abs(np.asarray(logits) - np.asarray(want_logits))))
-  print(f"{name}: logits {logits_error:.2g}, grads {worst:.2g}")
+  print(f"{name}: {', '.join(names)}: grads {worst:.2g}")
+
+
+class Model(NamedTuple):
+  build: Callable
+  args: tuple      # the array arguments (numpy), unsharded
+  specs: tuple     # their shardings on the meshes
+  kwargs: dict     # the other arguments, constants of the program
 
 
 tp_rules = rules
@@ -120,47 +149,64 @@ mask = np.ones((4, 24), np.int32)
 mask[1, 18:] = 0
 encoder_args, encoder_specs = (input_ids, mask, global_mask), (P("data"),) * 3
 
-masked_lm = lambda: LongformerForMaskedLM(config, rngs=nnx.Rngs(0))
-check("masked LM, Explicit, tensor parallel", masked_lm, encoder_args, mesh, tp_rules,
-      encoder_specs, max_global=1)
-check("masked LM, Auto, tensor parallel", masked_lm, encoder_args, auto_mesh, tp_rules,
-      encoder_specs, max_global=1)
-check("masked LM, Explicit, FSDP", masked_lm, encoder_args, mesh, fsdp_rules, encoder_specs,
-      max_global=1)
-# The other heads on one (dilated) layer: the encoder's sharding is checked above, what is new
-# is each head's parameters and outputs.
+# The other heads on one (dilated) layer: the encoder's sharding is checked with the masked LM,
+# what is new is each head's parameters and outputs.
 head_config = dataclasses.replace(config, num_hidden_layers=1, attention_window=3,
                                   attention_dilation=((1, 2, 1, 2),))
-for head in (LongformerModel, LongformerForSequenceClassification,
-             LongformerForQuestionAnswering, LongformerForTokenClassification):
-  check(f"{head.__name__}, Explicit, tensor parallel",
-        lambda: head(head_config, rngs=nnx.Rngs(0)), encoder_args, mesh, tp_rules,
-        encoder_specs, max_global=1)
+
+
+class Heads(nnx.Module):
+  """Every other encoder head, each as built alone."""
+
+  def __init__(self):
+    for head in (LongformerModel, LongformerForSequenceClassification,
+                 LongformerForQuestionAnswering, LongformerForTokenClassification,
+                 LongformerForMultipleChoice):
+      setattr(self, head.__name__, head(head_config, rngs=nnx.Rngs(0)))
+
+  def __call__(self, ids, mask, global_mask, choice_ids, choice_mask, choice_global, **kwargs):
+    out = {name: outputs(getattr(self, name)(ids, mask, global_mask, **kwargs))
+           for name in ("LongformerModel", "LongformerForSequenceClassification",
+                        "LongformerForQuestionAnswering", "LongformerForTokenClassification")}
+    out["LongformerForMultipleChoice"] = outputs(self.LongformerForMultipleChoice(
+        choice_ids, choice_mask, choice_global, **kwargs))
+    return out
+
+
 choices = lambda x: x.reshape(2, 2, 24)  # [batch 2, choices 2, seq]
-check("LongformerForMultipleChoice, Explicit, tensor parallel",
-      lambda: LongformerForMultipleChoice(head_config, rngs=nnx.Rngs(0)),
-      tuple(map(choices, encoder_args)), mesh, tp_rules, (P("data"),) * 3, max_global=1)
 
-char_config = CharLMConfig.tiny(vocab_size=64, hidden_dropout_prob=0.0, num_hidden_layers=2,
-                                 hidden_size=32, intermediate_size=64, attention_window=(2, 4))
-char_lm = lambda: LongformerForCausalLM(char_config, rngs=nnx.Rngs(0))
-check("char LM, Explicit, FSDP", char_lm, (input_ids,), mesh, fsdp_rules, (P("data"),))
-check("char LM, Auto, tensor parallel", char_lm, (input_ids,), auto_mesh, tp_rules, (P("data"),))
-
-led_config = LEDConfig.tiny(dropout=0.0)
+# The char LM and LED on one layer (each stack): a second layer adds parameters of the same
+# kinds under the same rules, and as much compile time again.
+char_config = CharLMConfig.tiny(vocab_size=64, hidden_dropout_prob=0.0, num_hidden_layers=1,
+                                 hidden_size=32, intermediate_size=64, attention_window=4)
+led_config = LEDConfig.tiny(dropout=0.0, encoder_layers=1, decoder_layers=1, attention_window=4)
 decoder_ids = rng.integers(3, 64, (4, 10)).astype(np.int32)
 decoder_mask = np.ones((4, 10), np.int32)
 decoder_mask[2, 7:] = 0
 led_args = (input_ids, mask, decoder_ids, decoder_mask)
-led_specs = (P("data"),) * 4
-led = lambda: LEDForConditionalGeneration(led_config, rngs=nnx.Rngs(0))
-check("LED, Explicit, tensor parallel", led, led_args, mesh, tp_rules, led_specs,
-      global_attention_mask=global_mask, max_global=1)
-check("LED, Auto, FSDP", led, led_args, auto_mesh, fsdp_rules, led_specs,
-      global_attention_mask=global_mask, max_global=1)
-check("LED question answering, Explicit, data parallel (4)",
-      lambda: LEDForQuestionAnswering(led_config, rngs=nnx.Rngs(0)), led_args, dp_mesh, dp_rules,
-      led_specs, global_attention_mask=global_mask, max_global=1)
+led_kwargs = dict(global_attention_mask=global_mask, max_global=1)
+
+MODELS = {
+    "masked_lm": Model(lambda: LongformerForMaskedLM(config, rngs=nnx.Rngs(0)), encoder_args,
+                       encoder_specs, dict(max_global=1)),
+    "heads": Model(Heads, encoder_args + tuple(map(choices, encoder_args)), (P("data"),) * 6,
+                   dict(max_global=1)),
+    "char_lm": Model(lambda: LongformerForCausalLM(char_config, rngs=nnx.Rngs(0)), (input_ids,),
+                     (P("data"),), {}),
+    "led": Model(lambda: LEDForConditionalGeneration(led_config, rngs=nnx.Rngs(0)), led_args,
+                 (P("data"),) * 4, led_kwargs),
+    "led_qa": Model(lambda: LEDForQuestionAnswering(led_config, rngs=nnx.Rngs(0)), led_args,
+                    (P("data"),) * 4, led_kwargs),
+}
+# One unsharded run of every model, which each mesh's run is checked against.
+reference = Together(MODELS)
+want_logits, want_grads = loss_and_grads(reference, {n: m.args for n, m in MODELS.items()})
+
+check("Explicit, tensor parallel", mesh, tp_rules, ("masked_lm", "heads", "led"))
+check("Auto, tensor parallel", auto_mesh, tp_rules, ("masked_lm", "char_lm"))
+check("Explicit, FSDP", mesh, fsdp_rules, ("masked_lm", "char_lm"))
+check("Auto, FSDP", auto_mesh, fsdp_rules, ("led",))
+check("Explicit, data parallel (4)", dp_mesh, dp_rules, ("led_qa",))
 print("ok")
 '''
 
