@@ -404,13 +404,13 @@ def useful_flops_fwd(shape: Shape) -> float:
 def old_chunked_kernel():
   """The op with the pre-rewrite band kernel (benchmarks/chunked_old.py) patched in (tracing)."""
   import chunked_old
-  from longformer_jax.ops import attention as attention_module
-  saved = attention_module.band_attention_chunked
-  attention_module.band_attention_chunked = chunked_old.band_attention_chunked
+  from longformer_jax.ops import dispatch  # the module that hands the op its band kernel
+  saved = dispatch.band_attention_chunked
+  dispatch.band_attention_chunked = chunked_old.band_attention_chunked
   try:
     yield
   finally:
-    attention_module.band_attention_chunked = saved
+    dispatch.band_attention_chunked = saved
 
 
 def _jax_runner(fn, args):
