@@ -33,4 +33,5 @@ def test_the_old_chunked_row_traces_the_old_kernel_and_agrees(monkeypatch):
     before = jax.jit(lambda q, k, v: fn(q, k, v))(q, k, v)
   assert calls  # traced through benchmarks/chunked_old.py
   np.testing.assert_allclose(np.asarray(before), np.asarray(new), rtol=1e-5, atol=1e-5)
-  assert jax.jit(fn)(q, k, v) is not None and len(calls) == 1  # restored afterwards
+  jax.jit(lambda q, k, v: fn(q, k, v))(q, k, v)  # a fresh trace after the patch
+  assert len(calls) == 1  # the library's kernel is back

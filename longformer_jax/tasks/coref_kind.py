@@ -47,7 +47,7 @@ from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
 from longformer_jax.data.tokenizer import SpecialIds, copy_tokenizer, encoding_errors
 from longformer_jax.tasks.coref_metrics import METRICS, coref_scores
-from longformer_jax.tasks.finetune_kinds import SettingsKind, register
+from longformer_jax.tasks.finetune_kinds import SettingsKind, check_segment_settings, register
 
 __all__ = ["CorefExample", "CorefSettings", "CorefSplit", "Coreference", "document_words",
            "read_documents", "trivial_scores"]
@@ -244,13 +244,9 @@ def _check_segments(options, max_length: int) -> None:
     raise ValueError(f"segment_length={segment} must divide max_length={max_length} (--task "
                      f"coref --baseline segments reads the row as max_length / segment_length "
                      f"segments)")
-  if options.segment_overlap:
-    raise ValueError(f"segment_overlap={options.segment_overlap}: --task coref reads segments "
-                     f"that share no token (Joshi et al.'s independent segments); use "
-                     f"segment_overlap=0")
-  if options.segment_pool != "first":
-    raise ValueError(f"segment_pool={options.segment_pool!r} pools classification segments; "
-                     f"--task coref pools none (leave segment_pool at 'first')")
+  check_segment_settings(
+      options, "coref", overlap="segments that share no token (Joshi et al.'s independent "
+      "segments)", pool="pools none")
 
 
 @register

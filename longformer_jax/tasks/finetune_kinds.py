@@ -273,6 +273,18 @@ class SettingsKind(Kind):
     return f"{type(self).__name__}({self.run_settings})"
 
 
+def check_segment_settings(options, task: str, *, overlap: str | None, pool: str) -> None:
+  """ValueError naming a segment setting that a kind reading its segments itself cannot honour:
+  `segment_overlap` when `overlap` says why its segments share no token (None: it takes
+  overlaps), and a `segment_pool` other than "first", `pool` saying what it reads instead."""
+  if overlap is not None and options.segment_overlap:
+    raise ValueError(f"segment_overlap={options.segment_overlap}: --task {task} reads "
+                     f"{overlap}; use segment_overlap=0")
+  if options.segment_pool != "first":
+    raise ValueError(f"segment_pool={options.segment_pool!r} pools classification segments; "
+                     f"--task {task} {pool} (leave segment_pool at 'first')")
+
+
 KINDS: dict[str, Kind] = {}
 
 

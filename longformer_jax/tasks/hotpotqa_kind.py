@@ -48,7 +48,7 @@ from longformer_jax.data import text
 from longformer_jax.data.tokenizer import copy_tokenizer
 from longformer_jax.hotpotqa import LongformerForHotpotQA
 from longformer_jax.tasks import hotpotqa as pipeline
-from longformer_jax.tasks.finetune_kinds import SettingsKind, register
+from longformer_jax.tasks.finetune_kinds import SettingsKind, check_segment_settings, register
 from longformer_jax.tasks.qa_metrics import HOTPOT_METRICS, hotpot_scores
 
 __all__ = ["HotpotExample", "HotpotQA", "HotpotSettings", "HotpotSplit", "trivial_scores"]
@@ -73,10 +73,8 @@ def _segments(options) -> pipeline.HotpotSegments | None:
   """The segment baseline's reading of the options (baseline "segments"), else None."""
   if options.baseline == "longformer":
     return None
-  if options.segment_pool != "first":
-    raise ValueError(f"segment_pool={options.segment_pool!r}: HotpotQA's question type is read "
-                     f"from the first segment's <s> (segment_pool 'first'); the pool is for "
-                     f"classification")
+  check_segment_settings(options, "hotpotqa", overlap=None,
+                         pool="reads its question type from the first segment's <s>")
   return pipeline.HotpotSegments(
       segment_length=options.segment_length, overlap=options.segment_overlap,
       prefix_width=options.max_question_length + 2,

@@ -31,7 +31,7 @@ from longformer_jax.data import finetune_data as fd
 from longformer_jax.data import text
 from longformer_jax.data import wikihop as wd
 from longformer_jax.tasks.finetune_kinds import (
-    SettingsKind, _choices, _float, _named_in, register)
+    SettingsKind, _choices, check_segment_settings, _float, _named_in, register)
 from longformer_jax.training import examples as example_batches
 from longformer_jax.wikihop import LongformerForWikiHop
 
@@ -50,14 +50,9 @@ class WikiHopSettings:
     segments share no token and pool nothing: each is scored at its own markers)."""
     if options.baseline != "segments":
       return cls()
-    if options.segment_overlap:
-      raise ValueError(f"segment_overlap={options.segment_overlap}: --task wikihop reads its "
-                       f"supports in segments that share no token (chunk-and-sum); use "
-                       f"segment_overlap=0")
-    if options.segment_pool != "first":
-      raise ValueError(f"segment_pool={options.segment_pool!r} pools classification segments; "
-                       f"--task wikihop sums its candidates' scores over the segments (leave "
-                       f"segment_pool at 'first')")
+    check_segment_settings(
+        options, "wikihop", overlap="its supports in segments that share no token "
+        "(chunk-and-sum)", pool="sums its candidates' scores over the segments")
     return cls(segment_length=options.segment_length)
 
 
