@@ -1,7 +1,9 @@
 """What the scripts in benchmarks/ and experiments/ share: their common arguments (--out, --device,
 --tiny, --budget-s), pinning the platform before JAX starts, the persistent compilation cache,
-the stamp of a result (platform, device, jax, date, commit), and writing a result as JSON,
-markdown and a PNG through `longformer_jax.io` (atomically: a kill never leaves half a file).
+the stamp of a result (platform, device, jax, date, commit), the summary of ours against a peer
+timed side by side in interleaved rounds (`side_by_side`, its table and plot), and writing a
+result as JSON, markdown and a PNG through `longformer_jax.io` (atomically: a kill never leaves
+half a file).
 
 It lives beside the scripts, not in the package: importing anything from `longformer_jax` imports
 JAX, and a script must pin the platform (`pin_platform`, after parsing its command line) before
@@ -18,6 +20,7 @@ import json
 import os
 import pathlib
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -137,6 +140,93 @@ def stamp() -> dict:
   return dict(platform=jax.default_backend(), device=jax.devices()[0].device_kind,
               jax=jax.__version__, date=today(), commit=commit(),
               python=platform.python_version())
+
+
+# ----------------------------------------------------------------------------------------------
+# Two rows side by side in interleaved rounds (the rounds themselves: attention.py's
+# `interleaved_rounds`)
+
+
+def side_by_side(names: Sequence[str], times, loads, *, tokens_per_step: int | None = None,
+                 ours: int = 0, peer: int = 1) -> dict:
+  """Summary of interleaved rounds of two rows, ours and a peer, as `interleaved_rounds`
+  returns them (times[row] = one list of seconds per round; loads = (1-minute load average
+  before, after) per round).
+
+  Each row: its fastest and median call over all rounds, its fastest call per round, and
+  (with `tokens_per_step`) tokens/s at the fastest and median call. `speedup`: the peer's time
+  over ours (= our tokens/s over the peer's, > 1: ours faster), per round from each row's
+  fastest call in that round (both saw that round's load), with its median and range; also by
+  the fastest and by the median calls overall.
+  """
+  if len(names) != len(times):
+    raise ValueError(f"{len(names)} row names for {len(times)} rows of times")
+  if not times[ours] or len(times[ours]) != len(times[peer]):
+    raise ValueError(f"rows {ours} and {peer} need the same number of rounds (>= 1), got "
+                     f"{len(times[ours])} and {len(times[peer])}")
+  rows = []
+  for name, rounds in zip(names, times):
+    flat = [t for r in rounds for t in r]
+    row = dict(row=name, fastest_ms=round(min(flat) * 1e3, 3),
+               median_ms=round(statistics.median(flat) * 1e3, 3),
+               per_round_fastest_ms=[round(min(r) * 1e3, 3) for r in rounds], calls=len(flat))
+    if tokens_per_step is not None:
+      row["tokens_per_s_fastest"] = round(tokens_per_step / min(flat), 1)
+      row["tokens_per_s_median"] = round(tokens_per_step / statistics.median(flat), 1)
+    rows.append(row)
+  per_round = [min(p) / min(o) for o, p in zip(times[ours], times[peer])]
+  a, b = rows[ours], rows[peer]
+  speedup = dict(per_round=[round(x, 3) for x in per_round],
+                 median=round(statistics.median(per_round), 3), min=round(min(per_round), 3),
+                 max=round(max(per_round), 3),
+                 by_fastest=round(b["fastest_ms"] / a["fastest_ms"], 3),
+                 by_median=round(b["median_ms"] / a["median_ms"], 3))
+  return dict(ours=names[ours], peer=names[peer], rows=rows, speedup=speedup,
+              load_before_after_per_round=[list(x) for x in loads])
+
+
+def side_by_side_markdown(summary: dict) -> str:
+  """The rows of `side_by_side` as a markdown table, the speed-up and the loads under it."""
+  tokens = "tokens_per_s_fastest" in summary["rows"][0]
+  head = "| row | fastest ms | median ms | fastest ms per round |"
+  head += " tokens/s (fastest / median) |" if tokens else ""
+  lines = [head, "|" + " --- |" * (head.count("|") - 1)]
+  for r in summary["rows"]:
+    line = (f"| {r['row']} | {r['fastest_ms']:,.1f} | {r['median_ms']:,.1f} | "
+            + ", ".join(f"{x:,.1f}" for x in r["per_round_fastest_ms"]) + " |")
+    if tokens:
+      line += f" {r['tokens_per_s_fastest']:,.0f} / {r['tokens_per_s_median']:,.0f} |"
+    lines.append(line)
+  s = summary["speedup"]
+  loads = ", ".join(f"{a}->{b}" for a, b in summary["load_before_after_per_round"])
+  lines += ["", f"{summary['peer']} takes {s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}] the "
+                f"time of {summary['ours']} per round (median [range] over "
+                f"{len(s['per_round'])} rounds, fastest call of each row in each round); "
+                f"{s['by_fastest']:.2f}x by the fastest calls, {s['by_median']:.2f}x by the "
+                f"medians. Load average (1 min) before->after each round: {loads}."]
+  return "\n".join(lines)
+
+
+def plot_side_by_side(path: str | os.PathLike, summary: dict, title: str) -> pathlib.Path:
+  """The per-round speed-up (the peer's time over ours) with the load average beside it."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  ratios = summary["speedup"]["per_round"]
+  rounds = list(range(1, len(ratios) + 1))
+  fig, ax = plt.subplots(figsize=(7, 4))
+  ax.plot(rounds, ratios, "o-", label="the peer's time / ours (fastest call of each)")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set(xlabel="round", ylabel="speed-up of ours (per round)", title=title)
+  ax.set_xticks(rounds)
+  load = ax.twinx()
+  load.plot(rounds, [a for a, _ in summary["load_before_after_per_round"]], "s--", color="C1",
+            alpha=0.6, label="load average before the round")
+  load.set_ylabel("1-minute load average")
+  fig.legend(loc="lower center", fontsize=7, ncol=2)
+  fig.tight_layout(rect=(0, 0.08, 1, 1))
+  return write_png(path, fig)
 
 
 # ----------------------------------------------------------------------------------------------

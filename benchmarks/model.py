@@ -6,6 +6,8 @@ against the same model with full attention.
   python benchmarks/model.py --rows longformer_jax_masked full_attention --trace /tmp/trace
   python benchmarks/model.py --impl pallas --reps 20 --out benchmarks/results
   PYTHONPATH=. python benchmarks/model.py --small --out /tmp/modelbench   # tiny, CPU, < 1 min
+  python benchmarks/model.py --vs-hf-rounds 5             # ours vs HF side by side, 6x512, 4096x1
+  python benchmarks/model.py --vs-hf-rounds 2 --small --seq 128 --batch 1   # its smoke run
 
 Rows (`--rows`, default all; the JSON's `row` key, and its `impl` string in parentheses):
 - `hf_transformers` (`hf_transformers_pytorch`): `transformers.LongformerForMaskedLM` with the same
@@ -50,8 +52,23 @@ Model FLOPs and MFU (every row; `mfu` is null where no peak is known: CPU, float
 - MFU = model FLOPs / step time / peak; peak = `PEAK_BF16_FLOPS[device_kind]` (dense bf16).
 
 `--trace DIR` wraps `TRACE_STEPS` steps of the first of our rows measured (after its timing) in
-`jax.profiler.trace(DIR)` and prints the top ops by device time, read back from the written
+`jax.profiler.trace(DIR)` and prints the top ops by time, read back from the written
 `.xplane.pb` with `jax.profiler.ProfileData` (no tensorboard needed); the JSON row gets them too.
+On a GPU that is device time; on a CPU it is CPU time summed over every host thread that ran an
+op, the intra-op pool's included (`top_ops`), so it can exceed the step's wall time.
+
+`--vs-hf-rounds R`: ours and HF side by side in ONE shape (--seq, default 4096; --batch,
+default 1; --preset, default 6x512: 6 layers x hidden 512, 8 heads, FFN 2,048, vocabulary
+50,265, window 256 per side; --small: the tiny config), float32 on CPU. First the logits check
+(`check_agreement`, recorded in the JSON with its max difference; a failure writes the JSON and
+times nothing). Then HF gets OUR model's weights (`convert.to_hf`), so both train the same
+weights on the same batch (logits at every position on both sides unless `--vs-hf-row
+longformer_jax_masked`), and R interleaved rounds (benchmarks/attention.py's
+`interleaved_rounds`: each round runs both steps `--calls` times, the order rotated, the 1-minute
+load average before and after) are summarised by `harness.side_by_side`: each row's fastest and
+median step and tokens/s, and per round HF's fastest step over ours (= our tokens/s over HF's)
+with its median and range. Writes `<out>/model_vs_hf_<preset>_cpu<n>_<date>_<commit>_<seq>x
+<batch>.json`, `.md` and `.png` (the per-round ratios beside the load).
 
 Writes `<out>/model_<device>_<date>.json`, a list of rows with the keys of earlier versions
 (device, date, impl, seq, batch, dtype, ms_step, tokens_per_s, peak_bytes; `impl` strings
@@ -86,7 +103,7 @@ from flax import nnx
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness  # benchmarks/harness.py
-from attention import Shape
+from attention import Shape, interleaved_rounds
 from longformer_jax import LongformerConfig, LongformerForMaskedLM, convert
 from longformer_jax.modeling import masked_positions
 
@@ -102,6 +119,12 @@ JAX_ROWS = ROWS[1:]
 # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): "BF16 Tensor Core 1,979 TFLOPS" is quoted with
 # sparsity; dense is half of it, 989 TFLOPS.
 PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12}
+# `--preset`: changes to `LongformerConfig.base()` (vocabulary 50,265, window 256 per side).
+# "6x512": the CPU figure's model, 6 layers x hidden 512, 8 heads of 64, FFN 2,048.
+PRESETS = {"base": {},
+           "6x512": dict(num_hidden_layers=6, hidden_size=512, num_attention_heads=8,
+                         intermediate_size=2048)}
+AGREEMENT_ROWS = 2  # rows of the logits check's batch
 
 
 def peak_flops(device_kind: str, dtype_name: str) -> float | None:
@@ -133,7 +156,7 @@ def make_config(args, seq: int | None = None) -> LongformerConfig:
     config = LongformerConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2,
                               num_attention_heads=4, intermediate_size=256, attention_window=16)
   else:
-    config = LongformerConfig.base()
+    config = LongformerConfig.base(**PRESETS[args.preset])
   # RoBERTa positions start at pad_token_id + 1.
   positions = max(config.max_position_embeddings, seq + config.pad_token_id + 1)
   return config.replace(max_position_embeddings=positions, attention_impl=args.impl)
@@ -272,20 +295,22 @@ def mlm_loss(logits_BxNxV, labels_BxN):
   return jnp.sum(per_token * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def bench_ours(config: LongformerConfig, args, row: str = "longformer_jax",
-               trace_dir: str | None = None) -> dict:
-  """Times one of our rows (JAX_ROWS). Returns dict(ms, peak, head_positions, trace).
+def our_step(config: LongformerConfig, args, row: str = "longformer_jax",
+             model: LongformerForMaskedLM | None = None):
+  """One of our rows' (JAX_ROWS) training step on `make_batch(config, args.seq, args.batch)`:
+  (step, head_positions), `step()` running one AdamW step and returning its loss (a jax scalar,
+  not waited for). `model`: train this model (e.g. one whose weights HF got too) instead of a
+  new one (`build_model`).
 
   longformer_jax_masked: the LM head runs at the masked positions only (`prediction_positions`),
   as many per row as the batch's most-masked row has; the other rows: at every position, as HF's.
-  trace_dir: also run TRACE_STEPS steps under `jax.profiler.trace(trace_dir)` after the timing
-  and read back their top ops (`top_ops`).
   """
   if row not in JAX_ROWS:
     raise ValueError(f"row={row!r} is not one of our rows {JAX_ROWS}")
   masked_head = row == "longformer_jax_masked"
   full = row == "full_attention"
-  model = build_model(config.replace(dtype=jnp.bfloat16) if args.bf16 else config, row)
+  if model is None:
+    model = build_model(config.replace(dtype=jnp.bfloat16) if args.bf16 else config, row)
   optimizer = nnx.Optimizer(model, optax.adamw(LEARNING_RATE, weight_decay=WEIGHT_DECAY),
                             wrt=nnx.Param)
   model.train()  # dropout on, as in HF's train mode
@@ -308,6 +333,16 @@ def bench_ours(config: LongformerConfig, args, row: str = "longformer_jax",
   max_predictions = int((batch[2] >= 0).sum(axis=1).max())  # no target is ever dropped
   ids, global_mask, labels = (jnp.asarray(x) for x in batch)
   step = lambda: train_step(model, optimizer, ids, global_mask, labels)
+  return step, max_predictions if masked_head else args.seq
+
+
+def bench_ours(config: LongformerConfig, args, row: str = "longformer_jax",
+               trace_dir: str | None = None) -> dict:
+  """Times one of our rows (JAX_ROWS, `our_step`). Returns dict(ms, peak, head_positions,
+  trace). trace_dir: also run TRACE_STEPS steps under `jax.profiler.trace(trace_dir)` after the
+  timing and read back their top ops (`top_ops`).
+  """
+  step, head_positions = our_step(config, args, row)
   ms = timed(step, jax.block_until_ready, args.reps, args.warmup)
   loss = float(step())
   if not np.isfinite(loss):
@@ -320,8 +355,8 @@ def bench_ours(config: LongformerConfig, args, row: str = "longformer_jax",
       for _ in range(TRACE_STEPS):
         jax.block_until_ready(step())
     trace = top_ops(trace_dir, since=started, steps=TRACE_STEPS)
-  return dict(ms=ms, peak=stats.get("peak_bytes_in_use"),
-              head_positions=max_predictions if masked_head else args.seq, trace=trace)
+  return dict(ms=ms, peak=stats.get("peak_bytes_in_use"), head_positions=head_positions,
+              trace=trace)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -337,21 +372,34 @@ def _event_key(event) -> str:
 
 
 def top_ops(trace_dir: str, count: int = 15, since: float = 0.0, steps: int = 1) -> dict:
-  """Device time per op of the newest `.xplane.pb` under `trace_dir` (written after `since`).
+  """Time per op of the newest `.xplane.pb` under `trace_dir` (written after `since`).
 
   Read with `jax.profiler.ProfileData` (jax 0.11 and 0.12; no tensorboard plugin). Device planes
   ('/device:GPU:0', ...): their 'XLA Ops' line if present, else their 'Stream' lines (kernels,
-  keyed by the `hlo_op` stat where there is one), else all their lines but module/step ones. A
-  CPU-only trace has no device plane: then the XLA thunks on the host's 'tf_XLAExecute' threads
-  are summed instead (`source` says which). Returns dict(path, source, total_ms, ms_per_step,
-  ops=[dict(name, ms, count, share)], planes={plane: its first line names}) or dict(path,
-  error) when the trace cannot be read (it is still on disk for TensorBoard/Perfetto).
+  keyed by the `hlo_op` stat where there is one), else all their lines but module/step ones.
+
+  A CPU-only trace has no device plane: XLA's CPU runtime runs the thunks of a step on its
+  executing thread ('tf_XLAExecute/...') AND on the intra-op pool's threads ('tf_XLAEigen/...'),
+  where the dots and most large fusions run, a parallel fusion split into pieces over several of
+  them. Then every line of every '/host:' plane is read (`host_op_times`): its op events are the
+  ones carrying an `hlo_op` stat (python frames, the thread pool's bookkeeping
+  'ThreadpoolListener::*', 'ThunkExecutor::Execute*', 'SlinkyThreadPool::Await' and the 'end: X'
+  markers carry none), each piece counted once on its own thread with its EXCLUSIVE time (a
+  'while' thunk less the body ops that ran nested inside it on the same thread), so the total is
+  CPU time summed over threads: above the step's wall time when threads run in parallel.
+  `source` names the threads summed, `threads` gives each one's op time.
+
+  Returns dict(path, source, total_ms, ms_per_step, ops=[dict(name, ms, count, share)],
+  planes={plane: its first line names}, threads={line: op ms} on a CPU trace; count: events,
+  i.e. thread pieces on a CPU trace) or dict(path, error) when the trace cannot be read (it is
+  still on disk for TensorBoard/Perfetto).
   """
   files = [p for p in pathlib.Path(trace_dir).rglob("*.xplane.pb")
            if p.stat().st_mtime >= since - 1]
   if not files:
     return dict(path=str(trace_dir), error="no .xplane.pb written under it")
   path = max(files, key=lambda p: p.stat().st_mtime)
+  threads = None
   try:
     from jax.profiler import ProfileData
     data = ProfileData.from_file(str(path))
@@ -371,17 +419,14 @@ def top_ops(trace_dir: str, count: int = 15, since: float = 0.0, steps: int = 1)
           entry[0] += 1
           entry[1] += event.duration_ns
     if not totals:
-      for plane in data.planes:
-        for line in plane.lines if plane.name.startswith("/host:") else ():
-          if not line.name.startswith("tf_XLAExecute"):
-            continue
-          source = f"{plane.name}: tf_XLAExecute threads (CPU thunks)"
-          for event in line.events:
-            if "::" in event.name or event.name.startswith(("end:", "ThreadpoolListener")):
-              continue
-            entry = totals.setdefault(event.name, [0, 0.0])
-            entry[0] += 1
-            entry[1] += event.duration_ns
+      totals, threads = host_op_times(data)
+      if threads:
+        kinds = {}
+        for name in threads:  # 'plane: line', the line 'tf_XLAEigen/<id>'
+          kind = name.split(": ", 1)[-1].split("/")[0]
+          kinds[kind] = kinds.get(kind, 0) + 1
+        source = ("host threads " + ", ".join(f"{k} x{n}" for k, n in kinds.items())
+                  + ": CPU time summed over threads (exclusive time of each op piece)")
   except Exception as e:
     return dict(path=str(path), error=f"{type(e).__name__}: {str(e)[:200]}")
   if not totals:
@@ -389,14 +434,54 @@ def top_ops(trace_dir: str, count: int = 15, since: float = 0.0, steps: int = 1)
   total_ns = sum(ns for _, ns in totals.values())
   ops = [dict(name=name[:120], ms=round(ns / 1e6, 3), count=n, share=round(ns / total_ns, 4))
          for name, (n, ns) in sorted(totals.items(), key=lambda kv: -kv[1][1])[:count]]
-  return dict(path=str(path), source=source, total_ms=round(total_ns / 1e6, 3),
-              ms_per_step=round(total_ns / 1e6 / steps, 3), ops=ops, planes=layout)
+  result = dict(path=str(path), source=source, total_ms=round(total_ns / 1e6, 3),
+                ms_per_step=round(total_ns / 1e6 / steps, 3), ops=ops, planes=layout)
+  if threads is not None:
+    result["threads"] = {name: round(ns / 1e6, 3) for name, ns in threads.items()}
+  return result
+
+
+def host_op_times(data) -> tuple[dict, dict]:
+  """({op: [pieces, exclusive ns]}, {'plane: line': op ns}) over every line of every '/host:'
+  plane of a `ProfileData`: op events are those with an `hlo_op` stat; an event's exclusive time
+  is its duration less that of the op events nested directly inside it on the same line."""
+  totals, threads = {}, {}
+  for plane in data.planes:
+    if not plane.name.startswith("/host:"):
+      continue
+    for line in plane.lines:
+      if line.name == "python":
+        continue  # Python frames carry no hlo_op stat: skipped unread (100k+ events a step)
+      events = []
+      for event in line.events:
+        stats = dict(event.stats)
+        if "hlo_op" in stats:
+          events.append((event.start_ns, event.duration_ns, str(stats["hlo_op"])))
+      if not events:
+        continue
+      events.sort(key=lambda e: (e[0], -e[1]))  # a parent before the events nested in it
+      exclusive = [duration for _, duration, _ in events]
+      stack = []  # indices of the open events, innermost last
+      for i, (start, duration, _) in enumerate(events):
+        while stack and events[stack[-1]][0] + events[stack[-1]][1] <= start:
+          stack.pop()
+        if stack:
+          exclusive[stack[-1]] -= duration
+        stack.append(i)
+      line_ns = 0.0
+      for (_, _, name), ns in zip(events, exclusive):
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += ns
+        line_ns += ns
+      threads[f"{plane.name}: {line.name}"] = line_ns
+  return totals, threads
 
 
 def format_top_ops(trace: dict) -> str:
   if trace.get("error"):
     return f"trace written under {trace['path']}; not read back: {trace['error']}"
-  lines = [f"trace {trace['path']}", f"top ops by device time ({trace['source']}; "
+  lines = [f"trace {trace['path']}", f"top ops by time ({trace['source']}; "
            f"{trace['ms_per_step']:.1f} ms of op time per step):"]
   for op in trace["ops"]:
     lines.append(f"  {op['ms']:10.2f} ms {100 * op['share']:5.1f}%  x{op['count']:<5d} "
@@ -418,13 +503,18 @@ def import_torch():
   return torch, transformers
 
 
+def agreement_seq(config: LongformerConfig) -> int:
+  """The length `check_agreement` compares at: several windows wide, still small."""
+  return min(512, 4 * max(config.layer_windows))
+
+
 def check_agreement(config: LongformerConfig, torch, device: str) -> float:
   """Max |our logits - HF logits|, float32, same weights (ours copied over), eval mode."""
-  seq = min(512, 4 * max(config.layer_windows))  # several windows wide, still small
+  seq = agreement_seq(config)
   ours = LongformerForMaskedLM(config.replace(dtype=jnp.float32), rngs=nnx.Rngs(1))
   ours.eval()
   hf = convert.to_hf(ours).to(device)  # eval mode, float32
-  ids, global_mask, _ = make_batch(config, seq, 2, seed=1)
+  ids, global_mask, _ = make_batch(config, seq, AGREEMENT_ROWS, seed=1)
   # "highest": JAX would otherwise use TF32 matmuls on GPU; torch's default is full float32.
   # Under jit (one compile, not one per op); one global token per row.
   forward = nnx.jit(lambda model, ids, gm: model(ids, global_attention_mask=gm,
@@ -440,11 +530,17 @@ def check_agreement(config: LongformerConfig, torch, device: str) -> float:
   return float(np.max(np.abs(ours_logits - hf_logits)))
 
 
-def bench_hf(config: LongformerConfig, args, torch, device: str):
-  # Same config, random weights (no copy needed for timing); HF takes the total window.
-  hf = convert.config_to_hf(config, "LongformerForMaskedLM")
-  import transformers
-  model = transformers.LongformerForMaskedLM(hf).to(device)
+def hf_step(config: LongformerConfig, args, torch, device: str, model=None):
+  """HF's training step on `make_batch(config, args.seq, args.batch)`: (step, sync, dtype name),
+  `step()` running one AdamW step and returning its loss, `sync(loss)` waiting for it. `model`:
+  train this `transformers.LongformerForMaskedLM` (e.g. `convert.to_hf` of ours: the same
+  weights) instead of a new one with random weights."""
+  if model is None:
+    # Same config, random weights (no copy needed for timing); HF takes the total window.
+    hf = convert.config_to_hf(config, "LongformerForMaskedLM")
+    import transformers
+    model = transformers.LongformerForMaskedLM(hf)
+  model = model.to(device)
   model.train()
   # fused AdamW on CUDA: HF's best single-GPU optimizer step, so the baseline is not handicapped.
   optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, weight_decay=WEIGHT_DECAY,
@@ -466,6 +562,11 @@ def bench_hf(config: LongformerConfig, args, torch, device: str):
       torch.cuda.synchronize()
     return loss
 
+  return step, sync, "bfloat16" if use_bf16 else "float32"
+
+
+def bench_hf(config: LongformerConfig, args, torch, device: str):
+  step, sync, dtype_name = hf_step(config, args, torch, device)
   if device == "cuda":
     torch.cuda.reset_peak_memory_stats()
   ms = timed(step, sync, args.reps, args.warmup)
@@ -473,12 +574,13 @@ def bench_hf(config: LongformerConfig, args, torch, device: str):
   if not np.isfinite(loss):
     raise FloatingPointError(f"HF training step gave loss {loss}")
   peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
-  # Hand the memory back before our run: torch's caching allocator keeps it otherwise.
-  model = optimizer = ids = global_mask = labels = None  # the closure `step` holds them too
+  # Hand the memory back before our run: torch's caching allocator keeps it otherwise (the
+  # closure `step` holds the model, optimizer and batch).
+  step = sync = None
   gc.collect()
   if device == "cuda":
     torch.cuda.empty_cache()
-  return ms, peak, "bfloat16" if use_bf16 else "float32"
+  return ms, peak, dtype_name
 
 
 # ------------------------------------------------------------------------------------------------
@@ -549,13 +651,16 @@ def parse_shape(text: str) -> tuple[int, int]:
 def parse_args(argv=None) -> argparse.Namespace:
   """The command line, with the defaults that depend on --small filled in (and `shapes`)."""
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--preset", default="base", choices=["base"],
-                      help="model size (allenai/longformer-base-4096 shape)")
+  parser.add_argument("--preset", default=None, choices=list(PRESETS),
+                      help="model size: base (allenai/longformer-base-4096's shape; the default) "
+                           "or 6x512 (6 layers x hidden 512, 8 heads; the default of "
+                           "--vs-hf-rounds)")
   parser.add_argument("--small", action="store_true",
                       help="tiny config (2 layers, hidden 64, 4 heads, window 16), seq 256, "
                            "batch 2, 2 reps: a CPU smoke run")
   parser.add_argument("--seq", type=int, default=None, help="default 4096 (256 with --small)")
-  parser.add_argument("--batch", type=int, default=None, help="default 8 (2 with --small)")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="default 8 (1 with --vs-hf-rounds, 2 with --small)")
   parser.add_argument("--shapes", nargs="+", default=None, metavar="SEQxBATCH",
                       help="several shapes in one run, e.g. 4096x8 16384x2 (overrides "
                            "--seq/--batch)")
@@ -570,10 +675,29 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument("--trace", default=None, metavar="DIR",
                       help="profile a few steps of the first of our rows into DIR and print "
                            "its top ops")
+  parser.add_argument("--vs-hf-rounds", type=int, default=None, metavar="R",
+                      help="ours against HF side by side in R interleaved rounds (see the "
+                           "module docstring): one shape, the logits check first")
+  parser.add_argument("--calls", type=int, default=1,
+                      help="--vs-hf-rounds: steps per row per round")
+  parser.add_argument("--vs-hf-row", default="longformer_jax", choices=JAX_ROWS[:2],
+                      help="--vs-hf-rounds: our row (default longformer_jax: logits at every "
+                           "position, as HF's)")
   harness.common_arguments(parser, out=harness.default_out())
   args = parser.parse_args(argv)
+  vs_hf = args.vs_hf_rounds is not None
+  if vs_hf and args.vs_hf_rounds < 1:
+    parser.error(f"--vs-hf-rounds must be >= 1, got {args.vs_hf_rounds}")
+  if args.calls < 1:
+    parser.error(f"--calls must be >= 1, got {args.calls}")
+  if vs_hf and (args.shapes or args.no_hf or args.trace):
+    parser.error("--vs-hf-rounds times one shape (--seq, --batch) against HF: it takes no "
+                 "--shapes, --no-hf or --trace")
+  args.preset = args.preset or ("6x512" if vs_hf else "base")
   args.seq = args.seq or (256 if args.small else 4096)
-  args.batch = args.batch or (2 if args.small else 8)
+  args.batch = args.batch or (2 if args.small else 1 if vs_hf else 8)
+  if args.seq < 1 or args.batch < 1:
+    parser.error(f"--seq and --batch must be >= 1, got {args.seq} and {args.batch}")
   args.reps = args.reps or (2 if args.small else 10)
   try:
     args.shapes = ([parse_shape(s) for s in args.shapes] if args.shapes
@@ -587,8 +711,113 @@ def parse_args(argv=None) -> argparse.Namespace:
   return args
 
 
+def vs_hf(args) -> dict:
+  """`--vs-hf-rounds`: our training step and HF's side by side (see the module docstring).
+  Returns the result written as JSON (its `path` added)."""
+  # torch's OpenMP threads would otherwise spin after each HF step, taking the cores from our
+  # step that follows it in the round: both sides yield their cores when idle. Before torch.
+  os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+  torch, transformers = import_torch()
+  if torch is None:
+    print("error: --vs-hf-rounds needs torch and transformers", file=sys.stderr)
+    sys.exit(1)
+  torch.set_num_threads(os.cpu_count() or 1)
+  device = "cuda" if torch.cuda.is_available() and jax.default_backend() == "gpu" else "cpu"
+  seq, batch = args.seq, args.batch
+  config = make_config(args)
+  dtype_name = "bfloat16" if args.bf16 else "float32"
+  stamp = harness.stamp() | {"cpu_count": os.cpu_count(), "torch": torch.__version__,
+                             "transformers": transformers.__version__, "torch_device": device,
+                             "dtype": dtype_name, "rounds": args.vs_hf_rounds,
+                             "calls": args.calls, "warmup": args.warmup}
+  ours_name = impl_name(args.vs_hf_row, args.impl)
+  hf_name = impl_name("hf_transformers", args.impl)
+  result = dict(
+      stamp=stamp, preset="small" if args.small else args.preset, seq=seq, batch=batch,
+      model=dict(layers=config.num_hidden_layers, hidden=config.hidden_size,
+                 heads=config.num_attention_heads, intermediate=config.intermediate_size,
+                 vocab=config.vocab_size, window_per_side=max(config.layer_windows),
+                 global_tokens_per_row=1, optimizer=f"AdamW lr {LEARNING_RATE} weight decay "
+                 f"{WEIGHT_DECAY}", train_mode="dropout on", our_row=args.vs_hf_row))
+  print(stamp, flush=True)
+  print(f"model: {json.dumps(result['model'])}, {seq} x {batch}", flush=True)
+
+  out = pathlib.Path(args.out)
+  slug = (f"model_vs_hf_{'small' if args.small else args.preset}_cpu{os.cpu_count()}_"
+          f"{stamp['date']}_{stamp['commit']}_{seq}x{batch}")
+  path = out / f"{slug}.json"
+  diff = check_agreement(config, torch, device)
+  result["agreement"] = dict(
+      max_abs_diff=diff, tolerance=CHECK_TOLERANCE, seq=agreement_seq(config),
+      batch=AGREEMENT_ROWS, passed=bool(diff <= CHECK_TOLERANCE),
+      what="MLM logits, float32, eval mode, our weights copied to HF (convert.to_hf)")
+  print(f"agreement (float32, same weights): max |ours - HF| MLM logit = {diff:.2e}", flush=True)
+  if not result["agreement"]["passed"]:
+    result["status"] = "failed: our logits disagree with HF's; nothing timed"
+    harness.write_json(path, result)
+    print(f"error: our MLM logits differ from HF's by {diff} > {CHECK_TOLERANCE}; wrote {path}",
+          file=sys.stderr)
+    sys.exit(1)
+
+  # The same weights on both sides: HF's model is ours copied over before either trains.
+  ours = build_model(config.replace(dtype=jnp.bfloat16) if args.bf16 else config,
+                     args.vs_hf_row)
+  hf_model = convert.to_hf(ours)
+  result["params"] = dict(ours=count_params(ours),
+                          hf=int(sum(p.numel() for p in hf_model.parameters())))
+  our_fn, _ = our_step(config, args, args.vs_hf_row, model=ours)
+  hf_fn, hf_sync, _ = hf_step(config, args, torch, device, model=hf_model)
+  rows = [(ours_name, "step", lambda: jax.block_until_ready(our_fn())),
+          (hf_name, "step", lambda: hf_sync(hf_fn()))]
+  first_losses = {}
+  for name, _, run in rows:  # warm-up: the first of our steps compiles
+    started = time.perf_counter()
+    losses = [run() for _ in range(max(args.warmup, 1))]
+    loss = float(losses[0].detach() if hasattr(losses[0], "detach") else losses[0])
+    if not np.isfinite(loss):
+      raise FloatingPointError(f"{name}: the first training step gave loss {loss}")
+    first_losses[name] = loss
+    print(f"  warm-up {name}: {time.perf_counter() - started:.1f} s, first loss {loss:.4f}",
+          flush=True)
+  result["first_step_loss"] = first_losses
+  times, loads = interleaved_rounds(rows, args.vs_hf_rounds, args.calls)
+  summary = harness.side_by_side([ours_name, hf_name], times, loads,
+                                 tokens_per_step=seq * batch)
+  result["summary"] = summary
+  result["status"] = "ok"
+  harness.write_json(path, result)
+  md = vs_hf_markdown(result, args)
+  harness.write_text(path.with_suffix(".md"), md)
+  png = harness.plot_side_by_side(path.with_suffix(".png"), summary,
+                                  f"MLM step, {seq} x {batch}: ours vs HF, per round")
+  print(md, flush=True)
+  harness.print_written(path, path.with_suffix(".md"), png)
+  return result | {"path": str(path)}
+
+
+def vs_hf_markdown(result: dict, args) -> str:
+  m, st, a = result["model"], result["stamp"], result["agreement"]
+  command = (f"python benchmarks/model.py --vs-hf-rounds {st['rounds']} --calls {st['calls']} "
+             + ("--small " if args.small else f"--preset {args.preset} ")
+             + f"--seq {result['seq']} --batch {result['batch']}")
+  header = (f"MLM training step, ours vs HF transformers side by side, {st['device']} "
+            f"({st['cpu_count']} cores), {st['dtype']}, jax {st['jax']}, torch {st['torch']}, "
+            f"transformers {st['transformers']}, {st['date']}, commit {st['commit']}. "
+            f"{m['layers']} layers x hidden {m['hidden']}, {m['heads']} heads, FFN "
+            f"{m['intermediate']}, vocabulary {m['vocab']:,}, window {m['window_per_side']} per "
+            f"side, 1 global token per row, {result['seq']:,} x {result['batch']} tokens, "
+            f"{m['optimizer']}, {m['train_mode']}; the same weights on both sides; parameters: "
+            f"ours {result['params']['ours']:,}, HF {result['params']['hf']:,}. Logits check "
+            f"before timing: max |ours - HF| = {a['max_abs_diff']:.2e} (tolerance "
+            f"{a['tolerance']}, {a['seq']} x {a['batch']}). {st['rounds']} interleaved rounds x "
+            f"{st['calls']} steps per row (`{command}`).")
+  return header + "\n\n" + harness.side_by_side_markdown(result["summary"])
+
+
 def main(argv=None):
   args = parse_args(argv)
+  if args.vs_hf_rounds is not None:
+    return vs_hf(args)
   backend = jax.default_backend()
   dtype_name = "bfloat16" if args.bf16 else "float32"
   config = make_config(args, max(seq for seq, _ in args.shapes))
