@@ -89,6 +89,7 @@ import statistics
 import sys
 import time
 import traceback
+import warnings
 
 # Torch shares the GPU with JAX in this process; JAX's default grab of 75% of device memory up
 # front would leave HF too little (it peaks near 48 GB at base size, seq 4096, batch 8).
@@ -399,6 +400,13 @@ def top_ops(trace_dir: str, count: int = 15, since: float = 0.0, steps: int = 1)
   if not files:
     return dict(path=str(trace_dir), error="no .xplane.pb written under it")
   path = max(files, key=lambda p: p.stat().st_mtime)
+  with warnings.catch_warnings():
+    # jax's event_stats type warns (DeprecationWarning: no __module__) when it is first built.
+    warnings.simplefilter("ignore", DeprecationWarning)
+    return _read_trace(path, count, steps)
+
+
+def _read_trace(path: pathlib.Path, count: int, steps: int) -> dict:
   threads = None
   try:
     from jax.profiler import ProfileData
