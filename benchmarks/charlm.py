@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import pathlib
 import sys
-import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -341,27 +339,13 @@ def main(argv=None) -> dict:
   ours_name = "ours: longformer_jax char_tiny train step (Trainer, jit)"
   peer_name = "torch byte LM (eager, banded causal mask, AdamW)"
   rows = [(ours_name, "step", step_ours), (peer_name, "step", step_torch)]
-  result["first_step_loss"] = {}
-  for row_name, _, run in rows:  # warm-up: ours compiles in its first step
-    started = time.perf_counter()
-    losses = [float(run()) for _ in range(args.warmup)]
-    if not all(math.isfinite(x) for x in losses):
-      raise FloatingPointError(f"{row_name}: warm-up losses {losses}")
-    result["first_step_loss"][row_name] = losses[0]
-    print(f"  warm-up {row_name}: {time.perf_counter() - started:.1f} s, first loss "
-          f"{losses[0]:.4f}", flush=True)
+  result["first_step_loss"] = harness.warm_up(rows, args.warmup)
   times, loads = interleaved_rounds(rows, args.rounds, args.calls)
-  summary = harness.side_by_side([ours_name, peer_name], times, loads,
-                                 tokens_per_step=tokens_per_step)
-  result["summary"] = summary
+  result["summary"] = harness.side_by_side([ours_name, peer_name], times, loads,
+                                           tokens_per_step=tokens_per_step)
   result["status"] = "ok"
-  harness.write_json(path, result)
-  md = markdown(result, args)
-  harness.write_text(path.with_suffix(".md"), md)
-  png = harness.plot_side_by_side(path.with_suffix(".png"), summary,
-                                  f"{name} training step vs torch, per round")
-  print(md, flush=True)
-  harness.print_written(path, path.with_suffix(".md"), png)
+  harness.write_side_by_side(path, result, markdown(result, args),
+                             f"{name} training step vs torch, per round")
   return result | {"path": str(path)}
 
 

@@ -233,6 +233,33 @@ def plot_side_by_side(path: str | os.PathLike, summary: dict, title: str) -> pat
 # Writing results
 
 
+def warm_up(rows, steps: int) -> dict:
+  """Runs each row's step `steps` times untimed (the first compiles; steps return a loss, a float
+  or a 0-d array/tensor); returns each row's first loss. Non-finite losses stop the run."""
+  import math
+  import time
+  first = {}
+  for name, _, run in rows:
+    started = time.perf_counter()
+    losses = [float(run()) for _ in range(max(steps, 1))]
+    if not all(math.isfinite(x) for x in losses):
+      raise FloatingPointError(f"{name}: warm-up losses {losses}")
+    first[name] = losses[0]
+    print(f"  warm-up {name}: {time.perf_counter() - started:.1f} s, first loss {losses[0]:.4f}",
+          flush=True)
+  return first
+
+
+def write_side_by_side(path: str | os.PathLike, result: dict, md: str, title: str) -> None:
+  """Writes a side-by-side result as JSON, its markdown and the per-round plot, and prints them."""
+  path = pathlib.Path(path)
+  write_json(path, result)
+  write_text(path.with_suffix(".md"), md)
+  png = plot_side_by_side(path.with_suffix(".png"), result["summary"], title)
+  print(md, flush=True)
+  print_written(path, path.with_suffix(".md"), png)
+
+
 def json_default(x):
   """JSON for what json cannot write: arrays as lists, dataclasses as dicts, else str."""
   if hasattr(x, "tolist"):

@@ -777,29 +777,13 @@ def vs_hf(args) -> dict:
   hf_fn, hf_sync, _ = hf_step(config, args, torch, device, model=hf_model)
   rows = [(ours_name, "step", lambda: jax.block_until_ready(our_fn())),
           (hf_name, "step", lambda: hf_sync(hf_fn()))]
-  first_losses = {}
-  for name, _, run in rows:  # warm-up: the first of our steps compiles
-    started = time.perf_counter()
-    losses = [run() for _ in range(max(args.warmup, 1))]
-    loss = float(losses[0].detach() if hasattr(losses[0], "detach") else losses[0])
-    if not np.isfinite(loss):
-      raise FloatingPointError(f"{name}: the first training step gave loss {loss}")
-    first_losses[name] = loss
-    print(f"  warm-up {name}: {time.perf_counter() - started:.1f} s, first loss {loss:.4f}",
-          flush=True)
-  result["first_step_loss"] = first_losses
+  result["first_step_loss"] = harness.warm_up(rows, args.warmup)
   times, loads = interleaved_rounds(rows, args.vs_hf_rounds, args.calls)
-  summary = harness.side_by_side([ours_name, hf_name], times, loads,
-                                 tokens_per_step=seq * batch)
-  result["summary"] = summary
+  result["summary"] = harness.side_by_side([ours_name, hf_name], times, loads,
+                                           tokens_per_step=seq * batch)
   result["status"] = "ok"
-  harness.write_json(path, result)
-  md = vs_hf_markdown(result, args)
-  harness.write_text(path.with_suffix(".md"), md)
-  png = harness.plot_side_by_side(path.with_suffix(".png"), summary,
-                                  f"MLM step, {seq} x {batch}: ours vs HF, per round")
-  print(md, flush=True)
-  harness.print_written(path, path.with_suffix(".md"), png)
+  harness.write_side_by_side(path, result, vs_hf_markdown(result, args),
+                             f"MLM step, {seq} x {batch}: ours vs HF, per round")
   return result | {"path": str(path)}
 
 
