@@ -45,11 +45,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import harness  # benchmarks/harness.py
 from longformer_jax import ops
+from longformer_jax.ops.band_chunked import default_block
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,6 +451,63 @@ def jax_op_rows(shape: Shape, dtype, budget: float):
   return rows
 
 
+def dots_only(shape: Shape):
+  """The chunked kernel's matmuls alone, in its layout and loops (one key span of
+  block + 2w keys per query block): forward 2 dots a block, fwd+bwd 7 (the forward's 2, then
+  the recomputed scores, dP, dQ, dK^T, dV^T), no masking, softmax or other elementwise work. Its
+  time is what the op would take if everything but its dots were free: the ceiling of this
+  design on the machine, to read the op's achieved rate against. Returns the jitted
+  (forward, fwdbwd) and their arguments: q_b [blocks, B, H, Q, D], k_t and v_t [B, H, N', D],
+  dout_b like q_b."""
+  w = min(shape.window, shape.seq - 1)
+  block = default_block(w)
+  blocks = -(-shape.seq // block)
+  span = block + (w if shape.causal else 2 * w)
+  keys = jax.random.split(jax.random.key(2), 4)
+  q_b = jax.random.normal(keys[0], (blocks, shape.batch, shape.heads, block, shape.head_dim))
+  dout_b = jax.random.normal(keys[1], q_b.shape)
+  k_t, v_t = (jax.random.normal(k_, (shape.batch, shape.heads, blocks * block + span - block,
+                                     shape.head_dim)) for k_ in keys[2:])
+  take = lambda x, n: lax.dynamic_slice_in_dim(x, n * block, span, axis=x.ndim - 2)
+
+  def forward(q_b, k_t, v_t):
+    def one(args):
+      q, n = args
+      s = jnp.einsum("bhqd,bhkd->bhqk", q, take(k_t, n))
+      return jnp.einsum("bhqk,bhkd->bhqd", s, take(v_t, n))
+    return lax.map(one, (q_b, jnp.arange(blocks)))
+
+  def fwdbwd(q_b, k_t, v_t, dout_b):
+    out_b = forward(q_b, k_t, v_t)
+
+    def one(carry, xs):
+      dk, dv = carry
+      q, dout, n = xs
+      p = jnp.einsum("bhqd,bhkd->bhqk", q, take(k_t, n))
+      dp = jnp.einsum("bhqd,bhkd->bhqk", dout, take(v_t, n))
+      dq = jnp.einsum("bhqk,bhkd->bhqd", dp, take(k_t, n))
+      dk_span = jnp.einsum("bhdq,bhqk->bhdk", jnp.swapaxes(q, -1, -2), dp)
+      dv_span = jnp.einsum("bhdq,bhqk->bhdk", jnp.swapaxes(dout, -1, -2), p)
+      add = lambda acc, g: lax.dynamic_update_slice_in_dim(
+          acc, lax.dynamic_slice_in_dim(acc, n * block, span, axis=3) + g, n * block, axis=3)
+      return (add(dk, dk_span), add(dv, dv_span)), dq
+
+    zeros = jnp.zeros(k_t.shape[:2] + k_t.shape[3:] + k_t.shape[2:3])
+    (dk, dv), dq = lax.scan(one, (zeros, zeros), (q_b, dout_b, jnp.arange(blocks)))
+    return out_b, dq, dk, dv
+
+  return jax.jit(forward), jax.jit(fwdbwd), (q_b, k_t, v_t, dout_b)
+
+
+def dots_only_rows(shape: Shape):
+  """(name, kind, runner) rows of `dots_only`, compiled."""
+  fwd, both, (q_b, k_t, v_t, dout_b) = dots_only(shape)
+  jax.block_until_ready((fwd(q_b, k_t, v_t), both(q_b, k_t, v_t, dout_b)))
+  name = "chunked's dots alone (no softmax: the design's ceiling)"
+  return [(name, "fwd", _jax_runner(fwd, (q_b, k_t, v_t))),
+          (name, "fwdbwd", _jax_runner(both, (q_b, k_t, v_t, dout_b)))]
+
+
 def jax_layer_row(shape: Shape, dtype):
   """Ours as a layer: the same three [H*D x H*D] q/k/v projections as HF's, then the op."""
   hidden = shape.heads * shape.head_dim
@@ -567,6 +626,8 @@ def op_table(args):
       print(f"{mode} seq={seq}: compiling", flush=True)
       rows = [("matmul 2048^2 f32 (jnp.dot)", "matmul", _jax_runner(matmul, (x, x)))]
       rows += jax_op_rows(shape, dtype, budget)
+      if dtype == jnp.float32:
+        rows += dots_only_rows(shape)
       rows += jax_layer_row(shape, dtype)
       if not args.no_torch:
         rows += torch_op_rows(shape, dtype_name)
@@ -602,7 +663,8 @@ def summarize(shape: Shape, rows, times, loads):
       row["gflops_fastest"] = round(flops / min(flat) / 1e9, 1)
       row["pct_of_matmul"] = round(100 * flops / min(flat) / matmul_rate, 1)
       ours_key = ("chunked", kind)
-      if name != "chunked" and not name.startswith("layer") and ours_key in best_of:
+      if (name != "chunked" and not name.startswith(("layer", "chunked's dots"))
+          and ours_key in best_of):
         ratios = [o / c for o, c in zip(best_rounds, best_of[ours_key])]
         row["vs_chunked_per_round"] = [round(x, 3) for x in ratios]
         row["vs_chunked_median"] = round(statistics.median(ratios), 3)

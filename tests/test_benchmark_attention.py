@@ -35,3 +35,24 @@ def test_the_old_chunked_row_traces_the_old_kernel_and_agrees(monkeypatch):
   np.testing.assert_allclose(np.asarray(before), np.asarray(new), rtol=1e-5, atol=1e-5)
   jax.jit(lambda q, k, v: fn(q, k, v))(q, k, v)  # a fresh trace after the patch
   assert len(calls) == 1  # the library's kernel is back
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_dots_only_row_does_the_kernels_matmuls(causal):
+  """Its forward is each query block's unmasked scores times its span's values (the span the
+  kernel reads: block + 2w keys, block + w causal), and its backward's dQ is dS K on the same span
+  with dS the unmasked dP: the rows time exactly those products."""
+  shape = bench.Shape(seq=40, heads=2, head_dim=8, window=5, causal=causal)
+  fwd, both, (q_b, k_t, v_t, dout_b) = bench.dots_only(shape)
+  out_b = np.asarray(fwd(q_b, k_t, v_t))
+  _, dq_b, _, _ = both(q_b, k_t, v_t, dout_b)
+  q_b, k_t, v_t, dout_b = (np.asarray(x, np.float64) for x in (q_b, k_t, v_t, dout_b))
+  blocks, _, _, block, _ = q_b.shape
+  span = block + (5 if causal else 10)
+  assert k_t.shape[2] == (blocks - 1) * block + span
+  for n in range(blocks):
+    k_span, v_span = k_t[:, :, n * block:n * block + span], v_t[:, :, n * block:n * block + span]
+    want = (q_b[n] @ np.swapaxes(k_span, -1, -2)) @ v_span
+    np.testing.assert_allclose(out_b[n], want, rtol=1e-4, atol=1e-4)
+    dp = dout_b[n] @ np.swapaxes(v_span, -1, -2)
+    np.testing.assert_allclose(np.asarray(dq_b[n]), dp @ k_span, rtol=1e-4, atol=1e-4)
