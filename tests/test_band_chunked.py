@@ -97,8 +97,8 @@ def test_vmap_and_remat_match_the_plain_call():
       np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("window,expected", [(1, 16), (16, 16), (64, 64), (100, 50), (256, 64),
-                                             (512, 64), (2000, 65)])
+@pytest.mark.parametrize("window,expected", [(1, 16), (16, 16), (64, 64), (100, 100), (256, 128),
+                                             (512, 128), (2000, 125)])
 def test_default_block_splits_the_window(window, expected):
   """Blocks of about TARGET_BLOCK that split the window into equal parts, never below MIN_BLOCK
   nor above MAX_BLOCK: the band scores 2w + block keys per query."""
@@ -106,11 +106,11 @@ def test_default_block_splits_the_window(window, expected):
 
 
 def test_compiled_program_has_no_key_slab():
-  """fwd+bwd at window 256: no concatenate, no array holding more than twice the laid-out keys (a
-  key slab, every query block's span of 2w + block keys side by side, would hold (2w + block) /
-  block = 9 times as many), and every dot contracts its left operand's last axis (the form
-  XLA's CPU dot library takes; contracting the query axis of stored [Q, S] and [Q, D] sent two
-  backward dots to XLA's slower generic dot)."""
+  """fwd+bwd at window 256: no concatenate, no array with a head_dim axis holding more than twice
+  the laid-out keys (a key slab, every query block's span of 2w + block keys side by side, would
+  hold (2w + block) / block = 5 times as many), and every dot contracts its left operand's last
+  axis (the form XLA's CPU dot library takes; contracting the query axis of stored [Q, S] and
+  [Q, D] sent two backward dots to XLA's slower generic dot)."""
   seq, heads, head_dim, window = 1024, 2, 16, 256
   q = jnp.ones((1, seq, heads, head_dim))
   mask = jnp.ones((1, seq), bool)
@@ -122,8 +122,8 @@ def test_compiled_program_has_no_key_slab():
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
   assert not re.search(r"= \S+ concatenate\(", hlo)
   keys = (seq + 2 * window) * heads * head_dim
-  sizes = [int(np.prod([int(d) for d in shape.split(",")]))
-           for shape in re.findall(r"f32\[([\d,]+)\]", hlo)]
+  key_like = [[int(d) for d in shape.split(",")] for shape in re.findall(r"f32\[([\d,]+)\]", hlo)]
+  sizes = [int(np.prod(dims)) for dims in key_like if head_dim in dims]  # q/k/v-like arrays
   assert max(sizes) <= 2 * keys, (max(sizes), keys)
   dots = re.findall(r"f32\[([\d,]+)\]\{[\d,]*\} dot\((.*?)lhs_contracting_dims=\{(\d+)\}", hlo)
   assert len(dots) >= 7, dots  # forward 2, backward 5

@@ -8,13 +8,13 @@ out ONCE as [B, H, N', D] in float32 with `window` zero keys before the first an
 laid-out keys, and each block's scores are ONE dot of its queries [Q, D] with its span [S, D].
 Nothing of size seq x seq and no [blocks, S] key slab exists: a loop over the query blocks
 (`lax.map` forward, `lax.scan` backward) reads one span at a time, so a block's scores
-[B, H, Q, S] (1.8 MB at 12 heads, block 64, window 256) stay in cache across the dot, the row
-maximum, the exponentials, the sum and `P @ V`.
+[B, H, Q, S] (3.9 MB at 12 heads, block 128, window 256: within the last-level cache) stay
+cached across the dot, the row maximum, the exponentials, the sum and `P @ V`.
 
 The band is the span's diagonal strip (`|i - j| <= window`, a comparison of two iotas, fused
-into the masking), so the scores cost `S` keys per query for the band's `2 * window + 1`
-(`default_block` keeps `block` small for that: 576 for 513 at window 256), while each dot is
-large enough (contractions of 64 and S) to run near the machine's matmul rate.
+into the masking), so the scores cost `S` keys per query for the band's `2 * window + 1` (640
+for 513 at window 256; `default_block` weighs that against the loop's step count), while each
+dot is large enough (contractions of 64 and S) to run near the machine's matmul rate.
 
 The backward is written by hand (`jax.custom_vjp`): it recomputes each block's probabilities
 from the saved log-sum-exp, so nothing of the scores' size is kept between the passes, and takes
@@ -42,10 +42,13 @@ from jax import lax
 from longformer_jax.ops.band_reference import EMPTY_LSE
 
 MAX_BLOCK = 128
-# The block the window is split towards: on a 2-core CPU, [64 x 64] @ [64 x S] dots per block ran
-# as fast per useful flop as 128-row ones while scoring fewer wasted keys (576 for the 513 of
-# window 256, against 640).
-TARGET_BLOCK = 64
+# The block the window is split towards. Each query block is one step of the loops, and each
+# step synchronises the cores several times (one per dot or fused pass), so fewer, larger blocks
+# beat less waste: at window 256 on a 2-core CPU (4k tokens, 12 heads, fwd+bwd, interleaved
+# calls), 128-row blocks (640 scored keys per query for 513) took 366-391 ms on a quiet machine
+# and 485-503 ms on a contended one, 64-row blocks (576 keys) 373-426 and 589-616 ms, 256-row
+# blocks (768 keys) 438-470 and 457-506 ms.
+TARGET_BLOCK = 128
 # Blocks are never smaller than this (a window of 1 would otherwise make 1-row dots).
 MIN_BLOCK = 16
 # Masked scores: after the row maximum is subtracted, exp() of them is exactly 0 whenever the row
