@@ -241,7 +241,8 @@ def warm_up(rows, steps: int) -> dict:
   first = {}
   for name, _, run in rows:
     started = time.perf_counter()
-    losses = [float(run()) for _ in range(max(steps, 1))]
+    losses = [run() for _ in range(max(steps, 1))]
+    losses = [float(x.detach() if hasattr(x, "detach") else x) for x in losses]  # torch or jax
     if not all(math.isfinite(x) for x in losses):
       raise FloatingPointError(f"{name}: warm-up losses {losses}")
     first[name] = losses[0]
