@@ -50,13 +50,21 @@ def _row(prefix, doc):
   return np.asarray(head + list(doc) + [EOS], np.int32)
 
 
+# Model calls under jit: one compile per row length, not one per operation of an eager call.
+# The global mask is traced there, so each call names its bound on global tokens (max_global).
+_call = nnx.jit(lambda model, ids, max_global: model(ids, max_global=max_global),
+                static_argnames="max_global")
+_encode = nnx.jit(lambda encoder, ids, glob, max_global: encoder(
+    ids, None, glob, max_global=max_global).last_hidden_state, static_argnames="max_global")
+
+
 def _encode_alone(encoder, row, global_length=0):
   """One row through the encoder on its own, unpadded: [len(row), E]."""
   ids = jnp.asarray(row)[None]
   glob = None
   if global_length:
     glob = (jnp.arange(len(row)) < global_length)[None].astype(jnp.int32)
-  return np.asarray(encoder(ids, None, glob).last_hidden_state[0])
+  return np.asarray(_encode(encoder, ids, glob, max_global=global_length or None)[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,7 +200,7 @@ def test_one_segment_equals_the_plain_encoder(qa_model):
   start = segments.document_logits(logits[..., 0], out.layout)
   for b, (d, q) in enumerate([(20, 4), (11, 2)]):
     row = _row(prefix[b, :q], doc[b, :d])
-    plain = qa_model(jnp.asarray(row)[None])  # global on the question: HF's QA default
+    plain = _call(qa_model, jnp.asarray(row)[None], max_global=len(row))  # global: the question
     states = _encode_alone(encoder, row, global_length=1 + q)
     np.testing.assert_allclose(out.last_hidden_state[b, :d], states[q + 3:q + 3 + d], atol=1e-6)
     np.testing.assert_allclose(out.prefix_states[b, 0, :q], states[1:1 + q], atol=1e-6)
@@ -207,7 +215,8 @@ def test_one_segment_equals_the_plain_encoder(qa_model):
     row = _row(None, doc[b, :d])
     np.testing.assert_allclose(pooled[b], _encode_alone(cls.longformer, row, 1)[0], atol=1e-6)
     np.testing.assert_allclose(cls.classifier(pooled[b][None, None])[0],
-                               cls(jnp.asarray(row)[None]).logits[0], atol=1e-6)
+                               _call(cls, jnp.asarray(row)[None], max_global=1).logits[0],
+                               atol=1e-6)
 
 
 def test_batched_segments_equal_each_segment_alone(qa_model):
