@@ -420,12 +420,14 @@ def _jax_runner(fn, args):
 
 
 def jax_op_rows(shape: Shape, dtype, budget: float):
-  """(name, kind, runner) for the JAX rows of one shape; kind is 'fwd' or 'fwdbwd'."""
+  """(name, kind, runner) for the JAX rows of one shape (kind 'fwd' or 'fwdbwd'), and the
+  compiled fwd+bwd temporaries of the chunked kernels in KB per token (XLA's memory_analysis;
+  None where the backend reports none)."""
   keys = jax.random.split(jax.random.key(0), 4)
   dims = (shape.batch, shape.seq, shape.heads, shape.head_dim)
   q, k, v = (jax.random.normal(k_, dims, dtype) for k_ in keys[:3])
   cotangent = jax.random.normal(keys[3], dims, dtype)  # a random cotangent, not sum()
-  rows = []
+  rows, temporaries = [], {}
   makers = [("chunked", ours("chunked"), None),
             ("chunked_old", ours("chunked"), old_chunked_kernel)]
   if dense_fits(shape, budget):
@@ -440,6 +442,10 @@ def jax_op_rows(shape: Shape, dtype, budget: float):
     with patch() if patch else contextlib.nullcontext():
       out = jax.block_until_ready(fwd(q, k, v))  # compiles inside the patch
       jax.block_until_ready(fwdbwd(q, k, v))
+      if name.startswith("chunked"):
+        stats = fwdbwd.lower(q, k, v).compile().memory_analysis()
+        temporaries[name] = (None if stats is None else
+                             round(stats.temp_size_in_bytes / (shape.batch * shape.seq) / 1024, 1))
     if check is None:
       check = out
     else:
@@ -448,7 +454,7 @@ def jax_op_rows(shape: Shape, dtype, budget: float):
         raise AssertionError(f"{name} differs from the chunked path by {err} at {shape}")
     rows += [(name, "fwd", _jax_runner(fwd, (q, k, v))),
              (name, "fwdbwd", _jax_runner(fwdbwd, (q, k, v)))]
-  return rows
+  return rows, temporaries
 
 
 def dots_only(shape: Shape):
@@ -625,14 +631,15 @@ def op_table(args):
       shape = Shape(seq=seq, causal=mode == "causal")
       print(f"{mode} seq={seq}: compiling", flush=True)
       rows = [("matmul 2048^2 f32 (jnp.dot)", "matmul", _jax_runner(matmul, (x, x)))]
-      rows += jax_op_rows(shape, dtype, budget)
+      op_rows, temporaries = jax_op_rows(shape, dtype, budget)
+      rows += op_rows
       if dtype == jnp.float32:
         rows += dots_only_rows(shape)
       rows += jax_layer_row(shape, dtype)
       if not args.no_torch:
         rows += torch_op_rows(shape, dtype_name)
       times, loads = interleaved_rounds(rows, args.rounds, args.calls)
-      results.append(summarize(shape, rows, times, loads))
+      results.append(summarize(shape, rows, times, loads, temporaries))
       print(op_markdown(results[-1]), flush=True)
   out = pathlib.Path(args.out)
   slug = (f"attention_optable_cpu{os.cpu_count()}_{stamp['date']}_{stamp['commit']}_"
@@ -648,7 +655,7 @@ def op_table(args):
   harness.print_written(path, path.with_suffix(".md"))
 
 
-def summarize(shape: Shape, rows, times, loads):
+def summarize(shape: Shape, rows, times, loads, temporaries=None):
   matmul_best = [min(r) for r in times[0]]
   matmul_rate = 2 * 2048**3 / min(matmul_best)
   best_of = {(name, kind): [min(r) for r in t] for (name, kind, _), t in zip(rows, times)}
@@ -662,6 +669,8 @@ def summarize(shape: Shape, rows, times, loads):
       flops = useful_flops_fwd(shape) * (2.5 if kind == "fwdbwd" else 1.0)
       row["gflops_fastest"] = round(flops / min(flat) / 1e9, 1)
       row["pct_of_matmul"] = round(100 * flops / min(flat) / matmul_rate, 1)
+      if kind == "fwdbwd" and (temporaries or {}).get(name) is not None:
+        row["temp_kb_per_token"] = temporaries[name]
       ours_key = ("chunked", kind)
       if (name != "chunked" and not name.startswith(("layer", "chunked's dots"))
           and ours_key in best_of):
@@ -687,8 +696,8 @@ def op_markdown(table) -> str:
            + ", ".join(f"{a}->{b}" for a, b in table["load_before_after_per_round"]),
            "",
            "| row | pass | fastest ms | median ms | useful GFLOP/s (fastest) | % of matmul | "
-           "time / chunked's, per round: median [range] |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           "time / chunked's, per round: median [range] | compiled temporaries KB/token |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
   for r in table["rows"]:
     ratios = r.get("vs_chunked_per_round") or r.get("vs_layer_chunked_per_round")
     ratio = (f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]"
@@ -696,7 +705,8 @@ def op_markdown(table) -> str:
     if r.get("vs_layer_chunked_per_round"):
       ratio += " (vs our layer row)"
     lines.append(f"| {r['impl']} | {r['kind']} | {r['fastest_ms']:.1f} | {r['median_ms']:.1f} | "
-                 f"{r.get('gflops_fastest', '')} | {r.get('pct_of_matmul', '')} | {ratio} |")
+                 f"{r.get('gflops_fastest', '')} | {r.get('pct_of_matmul', '')} | {ratio} | "
+                 f"{r.get('temp_kb_per_token', '')} |")
   return "\n".join(lines)
 
 

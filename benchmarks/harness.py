@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import pathlib
 import platform
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -229,15 +231,9 @@ def plot_side_by_side(path: str | os.PathLike, summary: dict, title: str) -> pat
   return write_png(path, fig)
 
 
-# ----------------------------------------------------------------------------------------------
-# Writing results
-
-
 def warm_up(rows, steps: int) -> dict:
   """Runs each row's step `steps` times untimed (the first compiles; steps return a loss, a float
   or a 0-d array/tensor); returns each row's first loss. Non-finite losses stop the run."""
-  import math
-  import time
   first = {}
   for name, _, run in rows:
     started = time.perf_counter()
@@ -259,6 +255,10 @@ def write_side_by_side(path: str | os.PathLike, result: dict, md: str, title: st
   png = plot_side_by_side(path.with_suffix(".png"), result["summary"], title)
   print(md, flush=True)
   print_written(path, path.with_suffix(".md"), png)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing results
 
 
 def json_default(x):

@@ -56,3 +56,13 @@ def test_the_dots_only_row_does_the_kernels_matmuls(causal):
     np.testing.assert_allclose(out_b[n], want, rtol=1e-4, atol=1e-4)
     dp = dout_b[n] @ np.swapaxes(v_span, -1, -2)
     np.testing.assert_allclose(np.asarray(dq_b[n]), dp @ k_span, rtol=1e-4, atol=1e-4)
+
+
+def test_the_op_rows_record_each_chunked_kernels_temporaries():
+  """fwd+bwd temporaries per token of both chunked kernels, from the compiled programs: the old
+  kernel's key slabs hold several times the new kernel's."""
+  shape = bench.Shape(seq=512, heads=2, head_dim=16, window=64)
+  rows, temporaries = bench.jax_op_rows(shape, jnp.float32, budget=0)
+  assert {name for name, _, _ in rows} == {"chunked", "chunked_old"}
+  assert set(temporaries) == {"chunked", "chunked_old"}
+  assert 0 < temporaries["chunked"] < temporaries["chunked_old"] / 2, temporaries
