@@ -397,9 +397,11 @@ def markdown_table(records) -> str:
 
 
 def useful_flops_fwd(shape: Shape) -> float:
-  """4*B*H*N*(2w+1)*D: the forward's useful flops as the op table counts them."""
+  """4*B*H*N*(2w+1)*D (causal: w+1 keys a query): the forward's useful flops as the op table
+  counts them."""
   w = min(shape.window, shape.seq - 1)
-  return 4.0 * shape.batch * shape.heads * shape.seq * (2 * w + 1) * shape.head_dim
+  keys = w + 1 if shape.causal else 2 * w + 1
+  return 4.0 * shape.batch * shape.heads * shape.seq * keys * shape.head_dim
 
 
 @contextlib.contextmanager

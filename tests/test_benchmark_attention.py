@@ -66,3 +66,10 @@ def test_the_op_rows_record_each_chunked_kernels_temporaries():
   assert {name for name, _, _ in rows} == {"chunked", "chunked_old"}
   assert set(temporaries) == {"chunked", "chunked_old"}
   assert 0 < temporaries["chunked"] < temporaries["chunked_old"] / 2, temporaries
+
+
+def test_useful_flops_count_the_keys_of_each_mode():
+  """4·B·H·N·keys·D with 2w + 1 keys a query, w + 1 causal (the band without its edges)."""
+  bidir, causal = bench.Shape(seq=1024, window=256), bench.Shape(seq=1024, window=256, causal=True)
+  assert bench.useful_flops_fwd(bidir) == 4 * 12 * 1024 * 513 * 64
+  assert bench.useful_flops_fwd(causal) == 4 * 12 * 1024 * 257 * 64
