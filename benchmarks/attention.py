@@ -11,8 +11,9 @@ by load) with the median beside it, the ratio to the chunked path per round (fas
 row in that round) with its range over rounds, the load average before and after each round, and
 an achieved rate: useful flops (forward 4*B*H*N*(2w+1)*D, forward + backward 2.5 times that)
 over the time, beside a jitted 2048 x 2048 float32 `jnp.dot` timed in the same rounds. Rows:
-the chunked path, the OLD chunked path (`benchmarks/chunked_old.py`, the same op with the old
-band kernel patched in), the dense reference and `jax.nn.dot_product_attention` with a local
+the chunked path, the same with its forward loop taking one query block a step instead of
+`FORWARD_UNROLL` (patched while tracing), the OLD chunked path (`benchmarks/chunked_old.py`, the
+same op with the old band kernel patched in), the dense reference and `jax.nn.dot_product_attention` with a local
 window (where the n x n arrays fit), compiled PyTorch `flex_attention` with a sliding-window
 block mask (forward only on CPU: it has no CPU backward), and a layer row on each side with the
 SAME q/k/v projections: ours (three [768 x 768] projections + the op) and HF
@@ -417,6 +418,19 @@ def old_chunked_kernel():
     dispatch.band_attention_chunked = saved
 
 
+@contextlib.contextmanager
+def one_block_a_step():
+  """The op with the chunked kernel's forward loop taking one query block a step
+  (`band_chunked.FORWARD_UNROLL` = 1, the loop before it was unrolled) while tracing."""
+  from longformer_jax.ops import band_chunked
+  saved = band_chunked.FORWARD_UNROLL
+  band_chunked.FORWARD_UNROLL = 1
+  try:
+    yield
+  finally:
+    band_chunked.FORWARD_UNROLL = saved
+
+
 def _jax_runner(fn, args):
   return lambda: jax.block_until_ready(fn(*args))
 
@@ -431,6 +445,7 @@ def jax_op_rows(shape: Shape, dtype, budget: float):
   cotangent = jax.random.normal(keys[3], dims, dtype)  # a random cotangent, not sum()
   rows, temporaries = [], {}
   makers = [("chunked", ours("chunked"), None),
+            ("chunked_one_block_a_step", ours("chunked"), one_block_a_step),
             ("chunked_old", ours("chunked"), old_chunked_kernel)]
   if dense_fits(shape, budget):
     makers += [("reference", ours("reference"), None), ("xla_dense_local_window", xla_dense, None)]

@@ -106,11 +106,13 @@ def test_default_block_splits_the_window(window, expected):
 
 
 def test_compiled_program_has_no_key_slab():
-  """fwd+bwd at window 256: no concatenate, no array with a head_dim axis holding more than twice
-  the laid-out keys (a key slab, every query block's span of 2w + block keys side by side, would
-  hold (2w + block) / block = 5 times as many), and every dot contracts its left operand's last
-  axis (the form XLA's CPU dot library takes; contracting the query axis of stored [Q, S] and
-  [Q, D] sent two backward dots to XLA's slower generic dot)."""
+  """fwd+bwd at window 256: no concatenate but the unrolled forward loop's stacking of its
+  blocks' outputs (at most FORWARD_UNROLL blocks of queries' size, no key-span axis), no array
+  with a head_dim axis holding more than twice the laid-out keys (a key slab, every query block's
+  span of 2w + block keys side by side, would hold (2w + block) / block = 5 times as many), and
+  every dot contracts its left operand's last axis (the form XLA's CPU dot library takes;
+  contracting the query axis of stored [Q, S] and [Q, D] sent two backward dots to XLA's slower
+  generic dot)."""
   seq, heads, head_dim, window = 1024, 2, 16, 256
   q = jnp.ones((1, seq, heads, head_dim))
   mask = jnp.ones((1, seq), bool)
@@ -120,7 +122,11 @@ def test_compiled_program_has_no_key_slab():
     return jnp.sum(out * q)
 
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
-  assert not re.search(r"= \S+ concatenate\(", hlo)
+  block = band_chunked.default_block(window)
+  for shape in re.findall(r"= \w+\[([\d,]+)\]\S* concatenate\(", hlo):
+    dims = [int(d) for d in shape.split(",")]
+    assert block + 2 * window not in dims, shape
+    assert np.prod(dims) <= band_chunked.FORWARD_UNROLL * block * heads * head_dim, shape
   keys = (seq + 2 * window) * heads * head_dim
   key_like = [[int(d) for d in shape.split(",")] for shape in re.findall(r"f32\[([\d,]+)\]", hlo)]
   sizes = [int(np.prod(dims)) for dims in key_like if head_dim in dims]  # q/k/v-like arrays

@@ -1,5 +1,6 @@
 """benchmarks/attention.py's op table: the old chunked path it times side by side really is the
-old kernel (patched into the op's dispatch while tracing), and it computes the same attention."""
+old kernel (patched into the op's dispatch while tracing), the one-block-a-step row really rolls
+the forward loop, and each computes the same attention."""
 
 from __future__ import annotations
 
@@ -37,6 +38,23 @@ def test_the_old_chunked_row_traces_the_old_kernel_and_agrees(monkeypatch):
   assert len(calls) == 1  # the library's kernel is back
 
 
+def test_the_one_block_a_step_row_traces_a_rolled_forward_loop():
+  """Under the patch the forward loop takes one block a step (no stacking of several blocks'
+  outputs); the library's unroll is back after it, and both compute the same attention."""
+  from longformer_jax.ops import band_chunked
+  shape = bench.Shape(seq=256, heads=2, head_dim=8, window=16)
+  keys = jax.random.split(jax.random.key(1), 3)
+  q, k, v = (jax.random.normal(key, (1, 256, 2, 8), jnp.float32) for key in keys)
+  fn = bench.ours("chunked")(shape)
+  hlo = lambda: jax.jit(lambda q, k, v: fn(q, k, v)).lower(q, k, v).compile().as_text()
+  unrolled, out = hlo(), jax.jit(fn)(q, k, v)
+  with bench.one_block_a_step():
+    rolled, rolled_out = hlo(), jax.jit(lambda q, k, v: fn(q, k, v))(q, k, v)
+  assert band_chunked.FORWARD_UNROLL > 1
+  assert " concatenate(" in unrolled and " concatenate(" not in rolled
+  np.testing.assert_allclose(np.asarray(rolled_out), np.asarray(out), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_the_dots_only_row_does_the_kernels_matmuls(causal):
   """Its forward is each query block's unmasked scores times its span's values (the span the
@@ -59,13 +77,16 @@ def test_the_dots_only_row_does_the_kernels_matmuls(causal):
 
 
 def test_the_op_rows_record_each_chunked_kernels_temporaries():
-  """fwd+bwd temporaries per token of both chunked kernels, from the compiled programs: the old
-  kernel's key slabs hold several times the new kernel's."""
-  shape = bench.Shape(seq=512, heads=2, head_dim=16, window=64)
+  """fwd+bwd temporaries per token of the chunked kernels, from the compiled programs: the old
+  kernel's key slabs hold several times the new kernel's, whose unrolled forward loop holds a few
+  blocks' scores at once where one block a step holds one."""
+  shape = bench.Shape(seq=2048, heads=2, head_dim=16, window=64)
   rows, temporaries = bench.jax_op_rows(shape, jnp.float32, budget=0)
-  assert {name for name, _, _ in rows} == {"chunked", "chunked_old"}
-  assert set(temporaries) == {"chunked", "chunked_old"}
+  kernels = {"chunked", "chunked_one_block_a_step", "chunked_old"}
+  assert {name for name, _, _ in rows} == kernels
+  assert set(temporaries) == kernels
   assert 0 < temporaries["chunked"] < temporaries["chunked_old"] / 2, temporaries
+  assert 0 < temporaries["chunked_one_block_a_step"] < temporaries["chunked"], temporaries
 
 
 def test_useful_flops_count_the_keys_of_each_mode():

@@ -7,9 +7,9 @@ out ONCE as [B, H, N', D] in float32 with `window` zero keys before the first an
 (the left ones only when causal): the span of block `n` then starts at key `n * block` of the
 laid-out keys, and each block's scores are ONE dot of its queries [Q, D] with its span [S, D].
 Nothing of size seq x seq and no [blocks, S] key slab exists: a loop over the query blocks
-(`lax.map` forward, `lax.scan` backward) reads one span at a time, so a block's scores
-[B, H, Q, S] (3.9 MB at 12 heads, block 128, window 256: within the last-level cache) stay
-cached across the dot, the row maximum, the exponentials, the sum and `P @ V`.
+(`lax.scan`; a few independent blocks a step forward, see FORWARD_UNROLL) reads one span a block,
+so a block's scores [B, H, Q, S] (3.9 MB at 12 heads, block 128, window 256) stay cached across
+the dot, the row maximum, the exponentials, the sum and `P @ V`.
 
 The band is the span's diagonal strip (`|i - j| <= window`, a comparison of two iotas, fused
 into the masking), so the scores cost `S` keys per query for the band's `2 * window + 1` (640
@@ -50,6 +50,17 @@ MAX_BLOCK = 128
 # and 485-503 ms on a contended one, 64-row blocks (576 keys) 373-426 and 589-616 ms, 256-row
 # blocks (768 keys) 438-470 and 457-506 ms.
 TARGET_BLOCK = 128
+# Query blocks per step of the forward loop. The blocks are independent, and XLA's CPU runtime
+# runs independent ops of one step concurrently: one block's dot holds a core while another's
+# key span is copied or its softmax computed, where a step of one block hands each short op
+# between the two cores and waits. How much that matters depends on how promptly the second core
+# answers. At window 256 on a 2-core CPU (float32, 12 heads, interleaved calls), when it answered
+# slowly, 4 blocks a step took the forward from 537-563 ms to 454-482 (16k tokens) and from
+# 132-142 to 122-134 (4k), 2 blocks gained nothing at 4k and 8 or 16 less than 4; when it
+# answered promptly, one block a step was faster (4k: 99 ms against 110). The backward's steps
+# share the key/value gradient accumulators and gained at most 4% from the same (16k), so its
+# loop takes one block a step.
+FORWARD_UNROLL = 4
 # Blocks are never smaller than this (a window of 1 would otherwise make 1-row dots).
 MIN_BLOCK = 16
 # Masked scores: after the row maximum is subtracted, exp() of them is exactly 0 whenever the row
@@ -113,7 +124,10 @@ def _band_blocks_forward(q_b, k_t, v_t, key_ok, geometry):
     q_BxHxQxD, n = args
     return _block_forward(q_BxHxQxD, n, k_t, v_t, key_ok, geometry)
 
-  out_b, lse_b, lse_bwd_b = lax.map(one_block, (q_b, jnp.arange(q_b.shape[0])))
+  # lax.map unrolled: each step of the loop takes FORWARD_UNROLL independent blocks.
+  _, (out_b, lse_b, lse_bwd_b) = lax.scan(
+      lambda carry, args: (carry, one_block(args)), None, (q_b, jnp.arange(q_b.shape[0])),
+      unroll=FORWARD_UNROLL)
   return (out_b, lse_b), (q_b, k_t, v_t, key_ok, out_b, lse_bwd_b)
 
 
