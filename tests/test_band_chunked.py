@@ -106,13 +106,13 @@ def test_default_block_splits_the_window(window, expected):
 
 
 def test_compiled_program_has_no_key_slab():
-  """fwd+bwd at window 256: no concatenate but the unrolled forward loop's stacking of its
-  blocks' outputs (at most FORWARD_UNROLL blocks of queries' size, no key-span axis), no array
-  with a head_dim axis holding more than twice the laid-out keys (a key slab, every query block's
-  span of 2w + block keys side by side, would hold (2w + block) / block = 5 times as many), and
-  every dot contracts its left operand's last axis (the form XLA's CPU dot library takes;
-  contracting the query axis of stored [Q, S] and [Q, D] sent two backward dots to XLA's slower
-  generic dot)."""
+  """fwd+bwd at window 256: no concatenate, no array with a head_dim axis holding more than twice
+  the laid-out keys (a key slab, every query block's span of 2w + block keys side by side, would
+  hold (2w + block) / block = 5 times as many), and every dot contracts its left operand's last
+  axis (the form XLA's CPU dot library takes; contracting the query axis of stored [Q, S] and
+  [Q, D] sent two backward dots to XLA's slower generic dot). The undifferentiated forward, whose
+  loop takes FORWARD_UNROLL blocks a step, concatenates only those blocks' outputs (no key-span
+  axis, at most FORWARD_UNROLL blocks of queries' size)."""
   seq, heads, head_dim, window = 1024, 2, 16, 256
   q = jnp.ones((1, seq, heads, head_dim))
   mask = jnp.ones((1, seq), bool)
@@ -122,8 +122,12 @@ def test_compiled_program_has_no_key_slab():
     return jnp.sum(out * q)
 
   hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, q, q).compile().as_text()
+  assert not re.search(r"= \S+ concatenate\(", hlo)
+  forward = jax.jit(loss).lower(q, q, q).compile().as_text()
   block = band_chunked.default_block(window)
-  for shape in re.findall(r"= \w+\[([\d,]+)\]\S* concatenate\(", hlo):
+  stacked = re.findall(r"= \w+\[([\d,]+)\]\S* concatenate\(", forward)
+  assert stacked  # the unrolled loop's, as this test expects to find them
+  for shape in stacked:
     dims = [int(d) for d in shape.split(",")]
     assert block + 2 * window not in dims, shape
     assert np.prod(dims) <= band_chunked.FORWARD_UNROLL * block * heads * head_dim, shape

@@ -50,16 +50,18 @@ MAX_BLOCK = 128
 # and 485-503 ms on a contended one, 64-row blocks (576 keys) 373-426 and 589-616 ms, 256-row
 # blocks (768 keys) 438-470 and 457-506 ms.
 TARGET_BLOCK = 128
-# Query blocks per step of the forward loop. The blocks are independent, and XLA's CPU runtime
-# runs independent ops of one step concurrently: one block's dot holds a core while another's
-# key span is copied or its softmax computed, where a step of one block hands each short op
-# between the two cores and waits. How much that matters depends on how promptly the second core
-# answers. At window 256 on a 2-core CPU (float32, 12 heads, interleaved calls), when it answered
-# slowly, 4 blocks a step took the forward from 537-563 ms to 454-482 (16k tokens) and from
-# 132-142 to 122-134 (4k), 2 blocks gained nothing at 4k and 8 or 16 less than 4; when it
-# answered promptly, one block a step was faster (4k: 99 ms against 110). The backward's steps
-# share the key/value gradient accumulators and gained at most 4% from the same (16k), so its
-# loop takes one block a step.
+# Query blocks per step of the undifferentiated forward's loop. The blocks are independent, and
+# XLA's CPU runtime runs independent ops of one step concurrently: one block's dot holds a core
+# while another's key span is copied or its softmax computed, where a step of one block hands
+# each short op between the two cores and waits for the second to answer. At window 256 on a
+# 2-core CPU (float32, 12 heads, interleaved calls) that wait varies with the machine's load:
+# when the second core answered slowly, 4 blocks a step ran the forward 1.1-1.2x faster (16k
+# tokens: 454-482 ms against 537-563; 4k: 122-134 against 132-142), when it answered promptly,
+# 0.9x (4k: 115-121 ms against 99-111); against compiled PyTorch flex_attention in one run
+# (4k, 5 rounds), flex's time over ours per round was 0.88-1.04 with 4 blocks a step and
+# 0.77-1.17 with one. Under differentiation the forward keeps one block a
+# step: it is a third of the fwd+bwd's time there, and 4 blocks' scores held at once took the
+# compiled fwd+bwd's temporaries from 19.8 to 28.9 KB/token (4k).
 FORWARD_UNROLL = 4
 # Blocks are never smaller than this (a window of 1 would otherwise make 1-row dots).
 MIN_BLOCK = 16
@@ -115,19 +117,25 @@ def _block_forward(q_BxHxQxD, block_index, k_t, v_t, key_ok, geometry):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _band_blocks(q_b, k_t, v_t, key_ok, geometry):
   """q_b [blocks, B, H, Q, D] against the laid-out k_t, v_t [B, H, N', D]:
-  (out [blocks, B, H, Q, D], lse [blocks, B, H, Q])."""
-  return _band_blocks_forward(q_b, k_t, v_t, key_ok, geometry)[0]
+  (out [blocks, B, H, Q, D], lse [blocks, B, H, Q]). Undifferentiated: FORWARD_UNROLL blocks a
+  step."""
+  return _forward_loop(q_b, k_t, v_t, key_ok, geometry, FORWARD_UNROLL)[0]
 
 
 def _band_blocks_forward(q_b, k_t, v_t, key_ok, geometry):
+  # Under differentiation one block a step: see FORWARD_UNROLL.
+  return _forward_loop(q_b, k_t, v_t, key_ok, geometry, 1)
+
+
+def _forward_loop(q_b, k_t, v_t, key_ok, geometry, unroll):
   def one_block(args):
     q_BxHxQxD, n = args
     return _block_forward(q_BxHxQxD, n, k_t, v_t, key_ok, geometry)
 
-  # lax.map unrolled: each step of the loop takes FORWARD_UNROLL independent blocks.
+  # lax.map, `unroll` independent blocks a step.
   _, (out_b, lse_b, lse_bwd_b) = lax.scan(
       lambda carry, args: (carry, one_block(args)), None, (q_b, jnp.arange(q_b.shape[0])),
-      unroll=FORWARD_UNROLL)
+      unroll=unroll)
   return (out_b, lse_b), (q_b, k_t, v_t, key_ok, out_b, lse_bwd_b)
 
 
