@@ -61,7 +61,7 @@ TARGET_BLOCK = 128
 # (4k, 5 rounds), flex's time over ours per round was 0.88-1.04 with 4 blocks a step and
 # 0.77-1.17 with one. Under differentiation the forward keeps one block a
 # step: it is a third of the fwd+bwd's time there, and 4 blocks' scores held at once took the
-# compiled fwd+bwd's temporaries from 19.8 to 28.9 KB/token (4k).
+# compiled fwd+bwd's temporaries from 16.8 to 28.0 KB/token (4k).
 FORWARD_UNROLL = 4
 # Blocks are never smaller than this (a window of 1 would otherwise make 1-row dots).
 MIN_BLOCK = 16
