@@ -12,12 +12,13 @@ row in that round) with its range over rounds, the load average before and after
 an achieved rate: useful flops (forward 4*B*H*N*(2w+1)*D, forward + backward 2.5 times that)
 over the time, beside a jitted 2048 x 2048 float32 `jnp.dot` timed in the same rounds. Rows:
 the chunked path, its forward with the loop taking one query block a step instead of
-`FORWARD_UNROLL` (patched while tracing; under differentiation it always takes one), the OLD chunked path (`benchmarks/chunked_old.py`, the
-same op with the old band kernel patched in), the dense reference and `jax.nn.dot_product_attention` with a local
-window (where the n x n arrays fit), compiled PyTorch `flex_attention` with a sliding-window
+`FORWARD_UNROLL` (patched while tracing; under differentiation it always takes one), the OLD
+chunked path (`benchmarks/chunked_old.py`, the same op with the old band kernel patched in), the
+dense reference and `jax.nn.dot_product_attention` with a local window (where the n x n arrays fit), compiled PyTorch `flex_attention` with a sliding-window
 block mask (forward only on CPU: it has no CPU backward), and a layer row on each side with the
 SAME q/k/v projections: ours (three [768 x 768] projections + the op) and HF
-`LongformerSelfAttention` (whose forward includes its projections).
+`LongformerSelfAttention` (whose forward includes its projections). Besides the JSON and the
+markdown it draws each table's per-round ratios (PNG, `plot_op_table`).
 
 Shapes follow docs/design.md §6: 12 heads, head_dim 64, one-sided window 256. Each implementation's
 output is checked against the chunked path before it is timed. Times are medians of `--reps`
@@ -670,7 +671,36 @@ def op_table(args):
             f"(`python benchmarks/attention.py --op-table --seqs {' '.join(map(str, args.seqs))} "
             f"--modes {' '.join(args.modes)} --rounds {args.rounds} --calls {args.calls}`).")
   harness.write_text(path.with_suffix(".md"), header + "\n\n" + md)
-  harness.print_written(path, path.with_suffix(".md"))
+  pngs = [plot_op_table(out / f"{slug}_{t['mode']}_{t['seq']}.png", t) for t in results]
+  harness.print_written(path, path.with_suffix(".md"), *pngs)
+
+
+def plot_op_table(path, table) -> pathlib.Path:
+  """Each row's time over the chunked path's, per round (its fastest call in that round), with
+  the load average before each round beside them."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(8, 4.5))
+  for r in table["rows"]:
+    ratios = r.get("vs_chunked_per_round")
+    if ratios:
+      rounds = range(1, len(ratios) + 1)
+      ax.plot(rounds, ratios, "o-", label=f"{r['impl'][:48]} ({r['kind']})")
+  ax.axhline(1.0, color="gray", lw=0.8)
+  ax.set_xticks(range(1, len(table["load_before_after_per_round"]) + 1))
+  ax.set_yscale("log")
+  ax.set(xlabel="round", ylabel="its time / the chunked path's (log)",
+         title=f"{table['mode']} n={table['seq']}: each row against the chunked path, per round")
+  load = ax.twinx()
+  before = [a for a, _ in table["load_before_after_per_round"]]
+  load.plot(range(1, len(before) + 1), before, "s--", color="gray", alpha=0.5,
+            label="load average before the round")
+  load.set_ylabel("1-minute load average")
+  fig.legend(loc="lower center", fontsize=7, ncol=2)
+  fig.tight_layout(rect=(0, 0.2, 1, 1))
+  return harness.write_png(path, fig)
 
 
 def summarize(shape: Shape, rows, times, loads, temporaries=None):

@@ -96,3 +96,16 @@ def test_useful_flops_count_the_keys_of_each_mode():
   bidir, causal = bench.Shape(seq=1024, window=256), bench.Shape(seq=1024, window=256, causal=True)
   assert bench.useful_flops_fwd(bidir) == 4 * 12 * 1024 * 513 * 64
   assert bench.useful_flops_fwd(causal) == 4 * 12 * 1024 * 257 * 64
+
+
+def test_the_op_table_plot_draws_each_compared_row(tmp_path):
+  """summarize's table drawn as a PNG: one line per row compared with the chunked path."""
+  shape = bench.Shape(seq=64, heads=2, head_dim=8, window=4)
+  rows = [(name, kind, None) for name, kind in [("matmul", "matmul"), ("chunked", "fwd"),
+                                                 ("torch flex_attention", "fwd")]]
+  times = [[[0.010, 0.011], [0.012]], [[0.020], [0.021]], [[0.018], [0.025]]]
+  table = bench.summarize(shape, rows, times, [(1.0, 1.2), (1.2, 1.3)])
+  flex = table["rows"][2]
+  assert flex["vs_chunked_per_round"] == [0.9, 1.19]
+  png = bench.plot_op_table(tmp_path / "table.png", table)
+  assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
