@@ -14,11 +14,12 @@ over the time, beside a jitted 2048 x 2048 float32 `jnp.dot` timed in the same r
 the chunked path, its forward with the loop taking one query block a step instead of
 `FORWARD_UNROLL` (patched while tracing; under differentiation it always takes one), the OLD
 chunked path (`benchmarks/chunked_old.py`, the same op with the old band kernel patched in), the
-dense reference and `jax.nn.dot_product_attention` with a local window (where the n x n arrays fit), compiled PyTorch `flex_attention` with a sliding-window
-block mask (forward only on CPU: it has no CPU backward), and a layer row on each side with the
-SAME q/k/v projections: ours (three [768 x 768] projections + the op) and HF
-`LongformerSelfAttention` (whose forward includes its projections). Besides the JSON and the
-markdown it draws each table's per-round ratios (PNG, `plot_op_table`).
+dense reference and `jax.nn.dot_product_attention` with a local window (where the n x n arrays
+fit), compiled PyTorch `flex_attention` with a sliding-window block mask (forward only on CPU:
+it has no CPU backward), and a layer row on each side with the SAME q/k/v projections: ours
+(three [768 x 768] projections + the op) and HF `LongformerSelfAttention` (whose forward
+includes its projections). Besides the JSON and the markdown it draws each table's per-round
+ratios (PNG, `plot_op_table`).
 
 Shapes follow docs/design.md §6: 12 heads, head_dim 64, one-sided window 256. Each implementation's
 output is checked against the chunked path before it is timed. Times are medians of `--reps`
