@@ -53,15 +53,14 @@ TARGET_BLOCK = 128
 # Query blocks per step of the undifferentiated forward's loop. The blocks are independent, and
 # XLA's CPU runtime runs independent ops of one step concurrently: one block's dot holds a core
 # while another's key span is copied or its softmax computed, where a step of one block hands
-# each short op between the two cores and waits for the second to answer. At window 256 on a
-# 2-core CPU (float32, 12 heads, interleaved calls) that wait varies with the machine's load:
-# when the second core answered slowly, 4 blocks a step ran the forward 1.1-1.2x faster (16k
-# tokens: 454-482 ms against 537-563; 4k: 122-134 against 132-142), when it answered promptly,
-# 0.9x (4k: 115-121 ms against 99-111); against compiled PyTorch flex_attention in one run
-# (4k, 5 rounds), flex's time over ours per round was 0.88-1.04 with 4 blocks a step and
-# 0.77-1.17 with one. Under differentiation the forward keeps one block a
-# step: it is a third of the fwd+bwd's time there, and 4 blocks' scores held at once took the
-# compiled fwd+bwd's temporaries from 16.8 to 28.0 KB/token (4k).
+# each short op between the two cores and waits for the second to answer. That wait varies with
+# the machine's load, and with it the gain. In the op table (benchmarks/README.md, 2-core CPU,
+# window 256, commit a37b19c) one block a step took 1.19x [1.11-1.23] the forward's time at 16k
+# tokens and 0.92x [0.80-1.27] at 4k (per round: median [range]); against compiled PyTorch
+# flex_attention (commit 850f4a1, 4k), flex's time over ours per round was 0.88-1.04 with 4
+# blocks a step and 0.77-1.17 with one. Under differentiation the forward keeps one block a step:
+# it is a third of the fwd+bwd's time there, and 4 blocks' scores held at once took the compiled
+# fwd+bwd's temporaries from 16.8 to 28.0 KB/token at 4k (op table, commit 850f4a1).
 FORWARD_UNROLL = 4
 # Blocks are never smaller than this (a window of 1 would otherwise make 1-row dots).
 MIN_BLOCK = 16
