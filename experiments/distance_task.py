@@ -324,10 +324,10 @@ def measure_cost(p: dict, variants, pbar=None) -> dict:
       stats = compiled.memory_analysis()
       state = trainer.init_state()
       batch = trainer.global_batch(batch, p["cost_batch"])
-      state, metrics = compiled(state, batch, trainer.rest)  # warm-up
+      state, metrics = compiled(state, batch, trainer.rest, trainer.seed_array)  # warm-up
       jax.block_until_ready(metrics)
-      runs[variant] = {"step": compiled, "state": state, "batch": batch, "rest": trainer.rest,
-                       "times": []}
+      runs[variant] = {"step": compiled, "state": state, "batch": batch,
+                       "model_state": (trainer.rest, trainer.seed_array), "times": []}
       out[variant]["lengths"].append(n)
       out[variant]["temp_bytes"].append(int(stats.temp_size_in_bytes))
       out[variant]["argument_bytes"].append(int(stats.argument_size_in_bytes))
@@ -337,7 +337,7 @@ def measure_cost(p: dict, variants, pbar=None) -> dict:
       for variant in variants[rep % len(variants):] + variants[:rep % len(variants)]:
         r = runs[variant]
         tick = time.perf_counter()
-        r["state"], metrics = r["step"](r["state"], r["batch"], r["rest"])
+        r["state"], metrics = r["step"](r["state"], r["batch"], *r["model_state"])
         jax.block_until_ready(metrics)
         r["times"].append(time.perf_counter() - tick)
     for variant in variants:

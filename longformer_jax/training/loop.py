@@ -38,7 +38,9 @@ The loop in one paragraph (`train`):
 
 Everything random is a function of (seed, step): initialisation, the batches (the task's
 iterators are) and the dropout keys (`fold_in(seed, step)`, then `fold_in(., microbatch)`), so a
-resumed run computes bit-identical losses.
+resumed run computes bit-identical losses. The seed is an argument of the compiled programs, not
+a constant in them: runs that differ only in their seed share their programs (and a persistent
+compilation cache's entries).
 """
 
 from __future__ import annotations
@@ -132,12 +134,19 @@ class Trainer:
     self.task.check(cfg)
     self.mesh = mesh if mesh is not None else make_mesh(cfg.mesh_shape)
     self.optimizer = make_optimizer(cfg)
+    # The seed enters every program as an argument (its key's data), never as a constant, so
+    # runs that differ only in their seed (a study's seeds) trace the same programs, and a
+    # persistent compilation cache compiles them once.
+    self._seed_data = np.asarray(jax.random.key_data(jax.random.key(cfg.seed)))
+    self._seed_array = None
     # The seq axis is named to the model only when it splits sequences: with one piece there is
     # nothing to exchange, and the op's plain per-shard path (the numbers of a mesh without a seq
     # axis) is the cheaper one.
-    self._build = lambda: self.task.build_model(cfg.model, nnx.Rngs(cfg.seed), mesh=self.mesh,
-                                                seq_axis=seq_axis(self.mesh))
-    self.graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(self._build), nnx.Param, ...)
+    self._build = lambda seed_data: self.task.build_model(
+        cfg.model, nnx.Rngs(jax.random.wrap_key_data(seed_data)), mesh=self.mesh,
+        seq_axis=seq_axis(self.mesh))
+    self.graphdef, abstract_params, _ = nnx.split(
+        nnx.eval_shape(lambda: self._build(self._seed_data)), nnx.Param, ...)
     self._abstract_params = abstract_params
     self.param_shardings = param_shardings(abstract_params, self.mesh, cfg.logical_rules)
     self.replicated = NamedSharding(self.mesh, P())
@@ -149,8 +158,17 @@ class Trainer:
     self._steps = {}
     self._jitted_fns = {}
 
-  def _build_rest(self):
-    return nnx.split(self._build(), nnx.Param, ...)[2]
+  def _build_rest(self, seed_data):
+    return nnx.split(self._build(seed_data), nnx.Param, ...)[2]
+
+  @property
+  def seed_array(self) -> jax.Array:
+    """The seed's key data, replicated over the mesh: the programs' seed argument. Made on first
+    use, like `rest`."""
+    if self._seed_array is None:
+      self._seed_array = jax.make_array_from_callback(
+          self._seed_data.shape, self.replicated, lambda _: self._seed_data)
+    return self._seed_array
 
   @property
   def rest(self):
@@ -158,17 +176,18 @@ class Trainer:
     checkpointed, a function of the seed. Built on first use, so that a Trainer on a mesh of
     devices that cannot run (ahead-of-time compilation, `lower_train_step`) never runs it."""
     if self._rest is None:
-      self._rest = jax.jit(self._build_rest, out_shardings=self.replicated)()
+      self._rest = jax.jit(self._build_rest, in_shardings=self.replicated,
+                           out_shardings=self.replicated)(self.seed_array)
     return self._rest
 
   def abstract_state(self) -> TrainState:
     """ShapeDtypeStructs with shardings: the restore target of a checkpoint."""
-    shapes = jax.eval_shape(self._init)
+    shapes = jax.eval_shape(self._init, self._seed_data)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, self.state_shardings)
 
-  def _init(self) -> TrainState:
-    return self._init_from(nnx.state(self._build(), nnx.Param))
+  def _init(self, seed_data) -> TrainState:
+    return self._init_from(nnx.state(self._build(seed_data), nnx.Param))
 
   def init_state(self, params: Any = None) -> TrainState:
     """Step 0: the parameters initialised from the seed, or `params` (e.g. pretrained weights
@@ -179,7 +198,8 @@ class Trainer:
       missing, extra or differently shaped array is a ValueError naming it.
     """
     if params is None:
-      return jax.jit(self._init, out_shardings=self.state_shardings)()
+      return jax.jit(self._init, in_shardings=self.replicated,
+                     out_shardings=self.state_shardings)(self.seed_array)
     want_pure = nnx.to_pure_dict(self._abstract_params)
     given_pure = nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
     want, given = _flat(want_pure), _flat(given_pure)
@@ -235,11 +255,13 @@ class Trainer:
         (jnp.arange(accum), jax.tree.map(split, batch)))
     return loss / accum, jax.tree.map(lambda g: g / accum, grads)
 
-  def _step_key(self, step: jax.Array) -> jax.Array:
-    return jax.random.fold_in(jax.random.key(self.cfg.seed), step)
+  @staticmethod
+  def _step_key(seed_data: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.random.fold_in(jax.random.wrap_key_data(seed_data), step)
 
-  def _train_step(self, state: TrainState, batch, rest, *, stage: Stage, accum: int):
-    loss, grads = self._loss_and_grads(state.params, rest, batch, self._step_key(state.step),
+  def _train_step(self, state: TrainState, batch, rest, seed_data, *, stage: Stage, accum: int):
+    loss, grads = self._loss_and_grads(state.params, rest, batch,
+                                       self._step_key(seed_data, state.step),
                                        stage=stage, accum=accum)
     updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
@@ -247,10 +269,11 @@ class Trainer:
                "learning_rate": learning_rate_schedule(self.cfg)(state.step)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
-  def _health(self, state: TrainState, batch, rest, *, stage: Stage, accum: int):
+  def _health(self, state: TrainState, batch, rest, seed_data, *, stage: Stage, accum: int):
     # The computation the next step would start with, on this step's batch: a state whose loss
     # or gradients overflow would stop the run at its next step, so it is not a good checkpoint.
-    loss, grads = self._loss_and_grads(state.params, rest, batch, self._step_key(state.step),
+    loss, grads = self._loss_and_grads(state.params, rest, batch,
+                                       self._step_key(seed_data, state.step),
                                        stage=stage, accum=accum)
     leaves = [x for x in jax.tree.leaves((state.params, state.opt_state))
               if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -262,7 +285,8 @@ class Trainer:
     (this step's), and "finite": 1.0 if every parameter and optimizer value is finite, else 0.
     Costs one forward and backward pass; the state is not donated."""
     shapes = tuple((name, tuple(x.shape)) for name, x in batch.items())
-    out = self._jitted(stage_index, shapes, health=True)(state, batch, self.rest)
+    out = self._jitted(stage_index, shapes, health=True)(state, batch, self.rest,
+                                                         self.seed_array)
     return {k: float(v) for k, v in out.items()}
 
   def batch_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
@@ -281,7 +305,7 @@ class Trainer:
           stage.batch_size // self.cfg.microbatch_size)
       in_shardings = (self.state_shardings,
                       {name: self.batch_sharding(shape) for name, shape in shapes},
-                      self.replicated)
+                      self.replicated, self.replicated)
       if health:
         self._jitted_fns[key] = jax.jit(
             functools.partial(self._health, stage=stage, accum=accum),
@@ -298,14 +322,15 @@ class Trainer:
     if stage_index not in self._steps:
       def step(state, batch):
         shapes = tuple((name, tuple(x.shape)) for name, x in batch.items())
-        return self._jitted(stage_index, shapes)(state, batch, self.rest)
+        return self._jitted(stage_index, shapes)(state, batch, self.rest, self.seed_array)
       self._steps[stage_index] = step
     return self._steps[stage_index]
 
   def lower_train_step(self, stage_index: int, batch: Mapping[str, jax.ShapeDtypeStruct]):
     """The stage's step lowered on abstract state, batch and model state: ahead-of-time
     compilation, e.g. for a TPU slice from a CPU host (`.compile().memory_analysis()`;
-    docs/design.md §5.1). Nothing is allocated or run.
+    docs/design.md §5.1). Nothing is allocated or run. The compiled step is called as
+    `compiled(state, batch, trainer.rest, trainer.seed_array)`.
 
     batch: name -> ShapeDtypeStruct of each global batch array (shardings are added here).
     """
@@ -315,9 +340,11 @@ class Trainer:
                       for name, x in batch.items()}
     abstract_rest = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self.replicated),
-        jax.eval_shape(self._build_rest))
+        jax.eval_shape(self._build_rest, self._seed_data))
+    abstract_seed = jax.ShapeDtypeStruct(self._seed_data.shape, self._seed_data.dtype,
+                                         sharding=self.replicated)
     return self._jitted(stage_index, shapes).lower(self.abstract_state(), abstract_batch,
-                                                        abstract_rest)
+                                                        abstract_rest, abstract_seed)
 
   def fit(self, state: TrainState, stage_index: int = 0, *, steps: int | None = None,
           on_step: Callable[[int, float], None] | None = None) -> tuple[TrainState, list[float]]:
