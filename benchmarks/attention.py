@@ -13,8 +13,9 @@ an achieved rate: useful flops (forward 4*B*H*N*(2w+1)*D, forward + backward 2.5
 over the time, beside a jitted 2048 x 2048 float32 `jnp.dot` timed in the same rounds. Rows:
 the chunked path, its forward with the loop taking one query block a step instead of
 `FORWARD_UNROLL` (patched while tracing; under differentiation it always takes one), the OLD
-chunked path (`benchmarks/chunked_old.py`, the same op with the old band kernel patched in), the
-dense reference and `jax.nn.dot_product_attention` with a local window (where the n x n arrays
+chunked path (`benchmarks/chunked_old.py`, the same op with the old band kernel patched in), on
+CPU the chunked path and the matmul compiled with XLA:CPU's YNNPACK fusions off (`YNNPACK_OFF`;
+the rates stay over the default matmul's), the dense reference and `jax.nn.dot_product_attention` with a local window (where the n x n arrays
 fit), compiled PyTorch `flex_attention` with a sliding-window block mask (forward only on CPU:
 it has no CPU backward), and a layer row on each side with the SAME q/k/v projections: ours
 (three [768 x 768] projections + the op) and HF `LongformerSelfAttention` (whose forward
@@ -437,6 +438,24 @@ def _jax_runner(fn, args):
   return lambda: jax.block_until_ready(fn(*args))
 
 
+# XLA:CPU hands dots and row reductions to the YNNPACK library by default (jax >= 0.11), and
+# some projects turn that off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`, e.g. after
+# a miscompilation); dots then run on Eigen. The op table compiles the matmul and the chunked path
+# that way too, per program (`compiler_options`), in the same rounds: what the setting costs each.
+YNNPACK_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
+YNNPACK_OFF_SUFFIX = ", XLA:CPU YNNPACK fusions off"
+
+
+def compile_with(fn, args, options: dict):
+  """`fn` jitted and compiled for `args` with XLA `options`; None (the reason printed) where the
+  backend does not take them."""
+  try:
+    return jax.jit(fn).lower(*args).compile(compiler_options=options)
+  except Exception as e:  # an option this backend or jax version does not know
+    print(f"  skipped {options}: {type(e).__name__}: {str(e)[:200]}")
+    return None
+
+
 def jax_op_rows(shape: Shape, dtype, budget: float):
   """(name, kind, runner) for the JAX rows of one shape (kind 'fwd' or 'fwdbwd'), and the
   compiled fwd+bwd temporaries of the chunked kernels in KB per token (XLA's memory_analysis;
@@ -449,6 +468,8 @@ def jax_op_rows(shape: Shape, dtype, budget: float):
   makers = [("chunked", ours("chunked"), None),
             ("chunked_one_block_a_step", ours("chunked"), one_block_a_step),
             ("chunked_old", ours("chunked"), old_chunked_kernel)]
+  if jax.default_backend() == "cpu":
+    makers.append(("chunked" + YNNPACK_OFF_SUFFIX, ours("chunked"), YNNPACK_OFF))
   if dense_fits(shape, budget):
     makers += [("reference", ours("reference"), None), ("xla_dense_local_window", xla_dense, None)]
   check = None
@@ -458,11 +479,18 @@ def jax_op_rows(shape: Shape, dtype, budget: float):
       continue
     fwd = jax.jit(fn)
     fwdbwd = jax.jit(lambda q, k, v, fn=fn: jax.vjp(fn, q, k, v)[1](cotangent))
+    if isinstance(patch, dict):  # XLA options: the same functions, compiled with them
+      fwd, fwdbwd = (compile_with(f, (q, k, v), patch) for f in (fwd, fwdbwd))
+      if fwd is None or fwdbwd is None:
+        continue
+      patch = None
     with patch() if patch else contextlib.nullcontext():
       out = jax.block_until_ready(fwd(q, k, v))  # compiles inside the patch
       jax.block_until_ready(fwdbwd(q, k, v))
       if name.startswith("chunked"):
-        stats = fwdbwd.lower(q, k, v).compile().memory_analysis()
+        compiled = fwdbwd if isinstance(fwdbwd, jax.stages.Compiled) else (
+            fwdbwd.lower(q, k, v).compile())
+        stats = compiled.memory_analysis()
         temporaries[name] = (None if stats is None else
                              round(stats.temp_size_in_bytes / (shape.batch * shape.seq) / 1024, 1))
     if check is None:
@@ -651,6 +679,9 @@ def op_table(args):
       shape = Shape(seq=seq, causal=mode == "causal")
       print(f"{mode} seq={seq}: compiling", flush=True)
       rows = [("matmul 2048^2 f32 (jnp.dot)", "matmul", _jax_runner(matmul, (x, x)))]
+      if backend == "cpu" and (matmul_off := compile_with(jnp.dot, (x, x), YNNPACK_OFF)):
+        rows.append(("matmul 2048^2 f32 (jnp.dot)" + YNNPACK_OFF_SUFFIX, "matmul",
+                     _jax_runner(matmul_off, (x, x))))
       op_rows, temporaries = jax_op_rows(shape, dtype, budget)
       rows += op_rows
       if dtype == jnp.float32:
@@ -714,6 +745,8 @@ def summarize(shape: Shape, rows, times, loads, temporaries=None):
     best_rounds = [min(r) for r in t]
     row = dict(impl=name, kind=kind, fastest_ms=round(min(flat) * 1e3, 2),
                median_ms=round(statistics.median(flat) * 1e3, 2))
+    if kind == "matmul":
+      row["gflops_fastest"] = round(2 * 2048**3 / min(flat) / 1e9, 1)
     if kind in ("fwd", "fwdbwd"):
       flops = useful_flops_fwd(shape) * (2.5 if kind == "fwdbwd" else 1.0)
       row["gflops_fastest"] = round(flops / min(flat) / 1e9, 1)

@@ -82,13 +82,26 @@ def test_the_op_rows_record_each_chunked_kernels_temporaries():
   under differentiation either way."""
   shape = bench.Shape(seq=512, heads=2, head_dim=16, window=64)
   rows, temporaries = bench.jax_op_rows(shape, jnp.float32, budget=0)
-  kernels = {"chunked", "chunked_one_block_a_step", "chunked_old"}
+  ynnpack_off = "chunked" + bench.YNNPACK_OFF_SUFFIX
+  kernels = {"chunked", "chunked_one_block_a_step", "chunked_old", ynnpack_off}
   assert {(name, kind) for name, kind, _ in rows} == {
       (name, kind) for name in kernels for kind in ("fwd", "fwdbwd")} - {
           ("chunked_one_block_a_step", "fwdbwd")}  # the same program as chunked's fwd+bwd
   assert set(temporaries) == kernels
   assert 0 < temporaries["chunked"] < temporaries["chunked_old"] / 2, temporaries
   assert temporaries["chunked_one_block_a_step"] == temporaries["chunked"], temporaries
+  assert temporaries[ynnpack_off] > 0, temporaries
+
+
+def test_the_ynnpack_off_rows_compile_without_ynnpack():
+  """The option the YNNPACK-off rows compile with takes effect: the default matmul program is a
+  YNNPACK fusion (jax >= 0.11 on CPU), the one compiled with YNNPACK_OFF is not."""
+  x = jnp.ones((64, 64), jnp.float32)
+  default = jax.jit(jnp.dot).lower(x, x).compile().as_text()
+  off = bench.compile_with(jnp.dot, (x, x), bench.YNNPACK_OFF)
+  assert "__ynn_fusion" in default
+  assert off is not None and "__ynn_fusion" not in off.as_text()
+  np.testing.assert_allclose(np.asarray(off(x, x)), np.full((64, 64), 64.0))
 
 
 def test_useful_flops_count_the_keys_of_each_mode():
