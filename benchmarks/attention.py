@@ -15,9 +15,10 @@ the chunked path, its forward with the loop taking one query block a step instea
 `FORWARD_UNROLL` (patched while tracing; under differentiation it always takes one), the OLD
 chunked path (`benchmarks/chunked_old.py`, the same op with the old band kernel patched in), on
 CPU the chunked path and the matmul compiled with XLA:CPU's YNNPACK fusions off (`YNNPACK_OFF`;
-the rates stay over the default matmul's), the dense reference and `jax.nn.dot_product_attention` with a local window (where the n x n arrays
-fit), compiled PyTorch `flex_attention` with a sliding-window block mask (forward only on CPU:
-it has no CPU backward), and a layer row on each side with the SAME q/k/v projections: ours
+the rates stay over the default matmul's), the dense reference and
+`jax.nn.dot_product_attention` with a local window (where the n x n arrays fit), compiled
+PyTorch `flex_attention` with a sliding-window block mask (forward only on CPU: it has no CPU
+backward), and a layer row on each side with the SAME q/k/v projections: ours
 (three [768 x 768] projections + the op) and HF `LongformerSelfAttention` (whose forward
 includes its projections). Besides the JSON and the markdown it draws each table's per-round
 ratios (PNG, `plot_op_table`).
