@@ -439,9 +439,9 @@ def _jax_runner(fn, args):
   return lambda: jax.block_until_ready(fn(*args))
 
 
-# XLA:CPU hands dots and row reductions to the YNNPACK library by default (jax >= 0.11), and
-# some projects turn that off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`, e.g. after
-# a miscompilation); dots then run on Eigen. The op table compiles the matmul and the chunked path
+# XLA:CPU hands dots and row reductions to the YNNPACK library by default (jax 0.12), and some
+# projects turn that off (`XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`); dots then run on
+# Eigen. The op table compiles the matmul and the chunked path
 # that way too, per program (`compiler_options`), in the same rounds: what the setting costs each.
 YNNPACK_OFF = {"xla_cpu_experimental_ynn_fusion_type": ""}
 YNNPACK_OFF_SUFFIX = ", XLA:CPU YNNPACK fusions off"

@@ -94,14 +94,17 @@ def test_the_op_rows_record_each_chunked_kernels_temporaries():
 
 
 def test_the_ynnpack_off_rows_compile_without_ynnpack():
-  """The option the YNNPACK-off rows compile with takes effect: the default matmul program is a
-  YNNPACK fusion (jax >= 0.11 on CPU), the one compiled with YNNPACK_OFF is not."""
+  """The option the YNNPACK-off rows compile with takes effect: by default (jax 0.12 on CPU) a
+  matmul and a row maximum are YNNPACK fusions (docs/design.md §2.3), with YNNPACK_OFF neither
+  is."""
   x = jnp.ones((64, 64), jnp.float32)
-  default = jax.jit(jnp.dot).lower(x, x).compile().as_text()
-  off = bench.compile_with(jnp.dot, (x, x), bench.YNNPACK_OFF)
-  assert "__ynn_fusion" in default
-  assert off is not None and "__ynn_fusion" not in off.as_text()
-  np.testing.assert_allclose(np.asarray(off(x, x)), np.full((64, 64), 64.0))
+  row_max = lambda x, y: jnp.max(x, axis=-1)
+  for fn, want in ((jnp.dot, np.full((64, 64), 64.0)), (row_max, np.ones(64))):
+    default = jax.jit(fn).lower(x, x).compile().as_text()
+    off = bench.compile_with(fn, (x, x), bench.YNNPACK_OFF)
+    assert "__ynn_fusion" in default
+    assert off is not None and "__ynn_fusion" not in off.as_text()
+    np.testing.assert_allclose(np.asarray(off(x, x)), want)
 
 
 def test_useful_flops_count_the_keys_of_each_mode():
