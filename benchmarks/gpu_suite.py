@@ -19,9 +19,6 @@ Sections, run in this order by default (most important first; `--sections` reord
      64, window 256, bf16: ours with impl pallas and chunked, plain band bidirectional and causal,
      and dilation 2 on 2 heads + 1 global token (target: <= 1.25x the plain band); TFLOP/s on
      the attended pairs P (docs/design.md §2.5). Chunked outputs are checked against pallas.
-  e  whole model (benchmarks/model.py): HF transformers in its own process, then ours, ours with
-     lm_head=masked and the full-attention (cuDNN) model, at 4096 x 8 and 16384 x 2, bf16,
-     tokens/s and MFU; a jax.profiler trace of our masked-head step with its top ops.
   d  cuDNN's sliding window (`jax.nn.dot_product_attention(implementation="cudnn",
      local_window_size=(256, 0))`, which has been seen to differ from ours at 64k). Both call forms
      (with and without is_causal=True) at 64k against an exact blockwise reference; their window
@@ -39,10 +36,14 @@ Sections, run in this order by default (most important first; `--sections` reord
      own child process (JAX's allocator keeps the GPU memory it took). Inputs are generated on
      the device by the same integer hash in JAX and in torch (bit-identical; a digest proves it);
      outputs are compared on the first and last 1024 rows and every 31st row.
-  f  block-size sweep of the Pallas kernel (benchmarks/block_sweep.py) in what time is left.
+  f  block-size sweep of the Pallas kernel (benchmarks/block_sweep.py).
+  e  whole model (benchmarks/model.py), last: it takes what the others leave, and all of it
+     needs about 300 s (`--sections e --budget-s 300`). HF transformers in its own process,
+     then ours, ours with lm_head=masked and the full-attention (cuDNN) model, at 4096 x 8 and
+     16384 x 2, bf16, tokens/s and MFU; a jax.profiler trace of our masked-head step.
 
-Time: `--budget-s` (default 420) is a global deadline; each section gets a share of it (SHARES,
-scaled) on a cumulative schedule, so time one section leaves unused goes to the next. Inside a
+Time: `--budget-s` (default 420) is a global deadline; the chosen sections split it in the ratio of
+their SHARES, on a cumulative schedule, so time one section leaves unused goes to the next. Inside a
 section, a row is started only if its estimated cost (the slowest of its kind so far) fits; rows
 and sections that do not fit are recorded as skipped, with the reason. Every section runs in its
 own child process (a kernel fault or OOM kills only that section; GPU memory is released between

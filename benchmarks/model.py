@@ -118,8 +118,9 @@ ROWS = ("hf_transformers", "longformer_jax", "longformer_jax_masked", "full_atte
 JAX_ROWS = ROWS[1:]
 # Dense (no sparsity) bf16 tensor-core peak FLOP/s by `jax.Device.device_kind`, for MFU. Source:
 # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): "BF16 Tensor Core 1,979 TFLOPS" is quoted with
-# sparsity; dense is half of it, 989 TFLOPS.
-PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12}
+# sparsity; dense is half of it, 989 TFLOPS. The H100 SXM has the same figure in its datasheet;
+# "NVIDIA H100 80GB HBM3" is the device kind jax reported on one (2026-12-05).
+PEAK_BF16_FLOPS = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12}
 # `--preset`: changes to `LongformerConfig.base()` (vocabulary 50,265, window 256 per side).
 # "6x512": the CPU figure's model, 6 layers x hidden 512, 8 heads of 64, FFN 2,048.
 PRESETS = {"base": {},

@@ -134,6 +134,22 @@ def test_budget_skips_are_recorded(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The pieces.
 
+def test_the_chosen_sections_share_the_whole_budget():
+  from suite.runner import section_deadlines
+  # One section alone runs to the deadline (it once got 45/420 of it and was cut short).
+  assert section_deadlines(["a"], 100.0, 250.0, jobs=1) == {"a": 350.0}
+  every = section_deadlines(list("abdcfe"), 0.0, 420.0, jobs=1)
+  assert list(every) == list("abdcfe")
+  assert list(every.values()) == sorted(every.values())  # cumulative
+  assert every["e"] == pytest.approx(420.0)
+  assert every["a"] == pytest.approx(420.0 * common.SHARES["a"] / sum(common.SHARES.values()))
+  # Two of them: in the ratio of their shares.
+  two = section_deadlines(["c", "d"], 0.0, 90.0, jobs=1)
+  assert two["c"] == pytest.approx(90.0 * common.SHARES["c"] / (common.SHARES["c"]
+                                                                + common.SHARES["d"]))
+  assert section_deadlines(["c", "d"], 5.0, 90.0, jobs=2) == {"c": 95.0, "d": 95.0}
+
+
 
 def test_compare_outputs_flags_a_perturbed_output():
   expected = np.random.default_rng(0).standard_normal((2, 50, 3, 8)).astype(np.float32)

@@ -13,8 +13,8 @@ import threading
 import time
 import traceback
 
-from .common import (GPU_SIZES, GRACE_S, MERGE_EVERY_S, SCRIPT, SECTION_NAMES, SHARE_BUDGET,
-                     SHARES, TINY_SIZES, Recorder, elapsed_line, run_child)
+from .common import (GPU_SIZES, GRACE_S, MERGE_EVERY_S, SCRIPT, SECTION_NAMES, SHARES,
+                     TINY_SIZES, Recorder, elapsed_line, run_child)
 from .attention_timings import section_attention
 from .correctness import section_correctness
 from .cudnn_window import section_cudnn
@@ -49,6 +49,18 @@ def run_section(args) -> None:
   rec.write(dict(type="done", status=status, finished=time.time()))
 
 
+def section_deadlines(order: list[str], t0: float, budget_s: float, jobs: int) -> dict:
+  """Each section's deadline. One at a time: a cumulative schedule of the chosen sections'
+  shares, which fill the budget (so `--sections a` gets all of it, and what a section leaves
+  goes to the next). Several at a time (--tiny only): every section may run to the end."""
+  total_share = sum(SHARES[key] for key in order)
+  schedule, cumulative = {}, 0.0
+  for key in order:
+    cumulative += SHARES[key] * budget_s / total_share
+    schedule[key] = t0 + (cumulative if jobs == 1 else budget_s)
+  return schedule
+
+
 def orchestrate(args) -> dict:
   order = [k.strip() for k in args.sections.split(",") if k.strip()]
   unknown = [k for k in order if k not in SECTION_NAMES]
@@ -72,12 +84,7 @@ def orchestrate(args) -> dict:
   write()
   print(elapsed_line(args.t0, "suite", f"sections {' '.join(order)}, budget {args.budget_s:.0f} "
                      f"s, {args.jobs} at a time, out {out}"), flush=True)
-  # One at a time: a cumulative schedule of the shares (what a section leaves goes to the next).
-  # Several at a time (--tiny only): every section may run to the global deadline.
-  schedule, cumulative = {}, 0.0
-  for key in order:
-    cumulative += SHARES[key] * args.budget_s / SHARE_BUDGET
-    schedule[key] = args.t0 + cumulative if args.jobs == 1 else deadline
+  schedule = section_deadlines(order, args.t0, args.budget_s, args.jobs)
 
   def run_one(key):
     now = time.time()
