@@ -209,12 +209,8 @@ def torch_peers(shape: Shape, dtype_name: str, reps: int):
   b, n, h, d, w = shape.batch, shape.seq, shape.heads, shape.head_dim, shape.window
   if shape.dilation in (1, (1,) * h) and not shape.globals_:
     try:
-      from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-      def sliding(b_, h_, q_idx, kv_idx):
-        near = (q_idx - kv_idx <= w) & (q_idx - kv_idx >= (0 if shape.causal else -w))
-        return near
-      mask = create_block_mask(sliding, None, None, n, n, device=device)
-      flex = torch.compile(flex_attention) if device == "cuda" else flex_attention
+      mask, flex = harness.flex_sliding_window(torch, n, w, causal=shape.causal, device=device,
+                                               compile_attention=device == "cuda")
       make = lambda: [torch.randn(b, h, n, d, device=device, dtype=tdtype, requires_grad=True)
                       for _ in range(3)]
       rows.append(dict(impl="torch_flex_attention",
@@ -592,13 +588,8 @@ def torch_op_rows(shape: Shape, dtype_name: str):
   b, n, h, d, w = shape.batch, shape.seq, shape.heads, shape.head_dim, shape.window
   rows = []
   try:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    def sliding(b_, h_, q_idx, kv_idx):
-      return (q_idx - kv_idx <= w) & (q_idx - kv_idx >= (0 if shape.causal else -w))
-
-    mask = create_block_mask(sliding, None, None, n, n, device="cpu")
-    flex = torch.compile(flex_attention)
+    mask, flex = harness.flex_sliding_window(torch, n, w, causal=shape.causal, device="cpu",
+                                             compile_attention=True)
     q, k, v = (torch.randn(b, h, n, d, dtype=tdtype) for _ in range(3))
 
     def run_flex():

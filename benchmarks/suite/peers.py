@@ -219,14 +219,9 @@ def torch_child(spec_path: str) -> None:
 
 def flex_peer(torch, q, k, v, window, causal, device):
   """flex_attention with a sliding-window block mask on [B, H, N, D] (compiled on CUDA)."""
-  from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-  seq = q.shape[1]
-
-  def sliding(b, h, q_idx, kv_idx):
-    return (q_idx - kv_idx <= window) & (q_idx - kv_idx >= (0 if causal else -window))
-
-  mask = create_block_mask(sliding, None, None, seq, seq, device=device)
-  flex = torch.compile(flex_attention, dynamic=False) if device == "cuda" else flex_attention
+  import harness
+  mask, flex = harness.flex_sliding_window(torch, q.shape[1], window, causal=causal,
+                                           device=device, compile_attention=device == "cuda")
   plain = [x.transpose(1, 2).contiguous() for x in (q, k, v)]
   # Inputs that require grad only for the training call: on CPU, flex_attention refuses them
   # (it has no CPU backward) even under no_grad.
