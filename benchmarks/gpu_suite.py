@@ -38,9 +38,10 @@ Sections, run in this order by default (most important first; `--sections` reord
      outputs are compared on the first and last 1024 rows and every 31st row.
   f  block-size sweep of the Pallas kernel (benchmarks/block_sweep.py).
   e  whole model (benchmarks/model.py), last: it takes what the others leave, and all of it
-     needs about 300 s (`--sections e --budget-s 300`). HF transformers in its own process,
-     then ours, ours with lm_head=masked and the full-attention (cuDNN) model, at 4096 x 8 and
-     16384 x 2, bf16, tokens/s and MFU; a jax.profiler trace of our masked-head step.
+     needs about 300 s (`--sections e --budget-s 300`). HF transformers in its own process
+     (started only when its share is >= 120 s), then ours, ours with lm_head=masked and the
+     full-attention (cuDNN) model, at 4096 x 8 and 16384 x 2, bf16, tokens/s and MFU; a
+     jax.profiler trace of our masked-head step.
 
 Time: `--budget-s` (default 420) is a global deadline; the chosen sections split it in the ratio of
 their SHARES, on a cumulative schedule, so time one section leaves unused goes to the next. Inside a

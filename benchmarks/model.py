@@ -254,6 +254,12 @@ def check_full_attention(config: LongformerConfig) -> dict:
   return result
 
 
+def full_attention_check_ok(check: dict) -> bool:
+  """Whether `check_full_attention` says the full-attention row is the model it claims."""
+  return (check["band_vs_full_xla"] <= CHECK_TOLERANCE
+          and check.get("cudnn_vs_xla_bf16", 0.0) <= BF16_ATTENTION_TOLERANCE)
+
+
 # ------------------------------------------------------------------------------------------------
 # Model FLOPs (see the module docstring).
 
@@ -860,8 +866,7 @@ def main(argv=None):
   if "full_attention" in args.rows:
     check = check_full_attention(config)
     print(f"full-attention swap check: {json.dumps(check)}", flush=True)
-    if not (check["band_vs_full_xla"] <= CHECK_TOLERANCE
-            and check.get("cudnn_vs_xla_bf16", 0.0) <= BF16_ATTENTION_TOLERANCE):
+    if not full_attention_check_ok(check):
       raise AssertionError(f"the full-attention row is not the model it claims: {check}")
 
   trace_dir = args.trace

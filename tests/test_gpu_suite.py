@@ -134,6 +134,53 @@ def test_budget_skips_are_recorded(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The pieces.
 
+def run_model_section(tmp_path, sizes, seconds_left):
+  """Section e in this process, with `seconds_left` before its deadline: its part file's
+  records."""
+  import argparse
+  import time
+  from suite.model_timings import section_model
+  path = tmp_path / "e.jsonl"
+  now = time.time()
+  section_model(common.Recorder(path, "e", now, now + seconds_left), sizes,
+                argparse.Namespace(out=str(tmp_path)))
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_the_model_section_spends_no_time_on_what_cannot_finish(tmp_path, monkeypatch):
+  """Too little time for the HF child: it is not started, and says why; no row of ours fits,
+  so the full-attention swap check (the first full-attention row's precondition) never runs."""
+  import dataclasses
+  import model as model_bench
+  monkeypatch.setattr(model_bench, "check_full_attention", lambda config: pytest.fail("ran"))
+  sizes = dataclasses.replace(common.TINY_SIZES, hf_child_min_s=100.0)
+  records = run_model_section(tmp_path, sizes, seconds_left=10.0)
+  hf = [r for r in records if r.get("row") == "hf_transformers"]
+  assert len(hf) == len(sizes.model_shapes)
+  assert all(r["status"] == "skipped" and "HF child needs about 100 s" in r["reason"]
+             for r in hf)
+  ours = [r for r in records if r.get("type") == "row" and r.get("row") != "hf_transformers"]
+  assert ours and all(r["status"] == "skipped" and "budget" in r["reason"] for r in ours)
+  assert not [r for r in records if r.get("type") == "note"]
+  assert not (tmp_path / "gpu_suite_parts" / "hf_model").exists()
+
+
+def test_a_failed_swap_check_fails_the_full_attention_rows_untimed(tmp_path, monkeypatch):
+  import dataclasses
+  import model as model_bench
+  monkeypatch.setattr(model_bench, "check_full_attention",
+                      lambda config: {"band_vs_full_xla": 0.5})
+  monkeypatch.setattr(model_bench, "measure_row", lambda *a, **k: pytest.fail("timed"))
+  sizes = dataclasses.replace(common.TINY_SIZES, hf_child_min_s=1e9,
+                              model_rows=("full_attention",), model_shapes=((128, 2), (256, 2)))
+  records = run_model_section(tmp_path, sizes, seconds_left=600.0)
+  full = [r for r in records if r.get("row") == "full_attention"]
+  assert len(full) == 2 and all(r["status"] == "failed" and "not the one it claims" in r["reason"]
+                                for r in full)
+  assert [r["full_attention_check"] for r in records if r.get("type") == "note"] == [
+      {"band_vs_full_xla": 0.5}]  # checked once
+
+
 def test_the_chosen_sections_share_the_whole_budget():
   from suite.runner import section_deadlines
   # One section alone runs to the deadline (it once got 45/420 of it and was cut short).

@@ -59,6 +59,7 @@ class Sizes:
   model_rows: tuple                         # e: our rows (benchmarks/model.py), in priority order
   model_argv: tuple                         # e: extra benchmarks/model.py arguments
   model_first_estimate_s: float
+  hf_child_min_s: float                     # e: below this, the HF child is not started
   cudnn_long: int                           # d: the reproduction length
   cudnn_short: tuple                        # d: lengths of the semantics check
   cudnn_pow2: tuple                         # d: powers of two probed before bisecting
@@ -78,7 +79,9 @@ GPU_SIZES = Sizes(
     attn=(12, 64, 256),
     model_shapes=((4096, 8), (16384, 2)), model_argv=("--reps", "5", "--warmup", "2"),
     model_rows=("longformer_jax_masked", "full_attention", "longformer_jax"),
-    model_first_estimate_s=60.0, cudnn_long=65536, cudnn_short=(1024, 2048),
+    # The HF child on an H100 (2026-12-05): its imports and the logits agreement check (our
+    # base model and HF's, float32) took more than 60 s before its first step.
+    model_first_estimate_s=60.0, hf_child_min_s=120.0, cudnn_long=65536, cudnn_short=(1024, 2048),
     cudnn_pow2=(4096, 8192, 16384, 32768, 65536), cudnn_granularity=256, cudnn_grad_seq=4096,
     peer_shapes=((16384, 1), (65536, 1), (65536, 8), (16384, 8)),
     sweep=dict(seq=16384, batch=2, heads=12, head_dim=64, window=256),
@@ -91,8 +94,8 @@ TINY_SIZES = Sizes(
     attn=(4, 16, 32),
     model_shapes=((128, 2),), model_argv=("--small", "--reps", "1", "--warmup", "1"),
     model_rows=("longformer_jax_masked", "full_attention"),
-    model_first_estimate_s=20.0, cudnn_long=512, cudnn_short=(128,), cudnn_pow2=(256, 512),
-    cudnn_granularity=32, cudnn_grad_seq=128, peer_shapes=((256, 1),),
+    model_first_estimate_s=20.0, hf_child_min_s=0.0, cudnn_long=512, cudnn_short=(128,),
+    cudnn_pow2=(256, 512), cudnn_granularity=32, cudnn_grad_seq=128, peer_shapes=((256, 1),),
     sweep=dict(seq=128, batch=1, heads=2, head_dim=16, window=16),
     first_row_estimate_s=5.0)
 

@@ -1,4 +1,7 @@
 """Section e: whole-model training steps (benchmarks/model.py): HF in its own process, then ours.
+Time goes only to what can finish: the HF child is not started with less than
+`Sizes.hf_child_min_s`, and the full-attention swap check runs only before a full-attention row
+that fits (a failed check fails those rows, untimed).
 """
 
 from __future__ import annotations
@@ -24,15 +27,25 @@ def section_model(rec: Recorder, sizes: Sizes, args) -> None:
   command = [sys.executable, str(BENCH / "model.py"), "--rows", "hf_transformers", "--shapes",
              *shapes, *sizes.model_argv, "--out", str(hf_dir)]
   hf_budget = (rec.deadline - time.time()) * 0.4
-  rec.log(f"HF child: {' '.join(command[1:])} (at most {hf_budget:.0f} s)")
   hf_result = {}
   hf = threading.Thread(target=lambda: hf_result.update(rc_tail=run_child(
       command, time.time() + hf_budget, rec.t0, "model/hf", env=torch_child_env())))
-  hf.start()
-  # On a GPU, HF runs alone and first, before this process has taken any GPU memory; on a CPU
-  # (--tiny, numbers meaningless) it overlaps our rows to save wall time.
-  if jax_backend() != "cpu":
-    hf.join()
+  # A child that cannot reach its first row in its time is not started: the time goes to ours.
+  hf_started = hf_budget >= sizes.hf_child_min_s
+  if hf_started:
+    rec.log(f"HF child: {' '.join(command[1:])} (at most {hf_budget:.0f} s)")
+    hf.start()
+    # On a GPU, HF runs alone and first, before this process has taken any GPU memory; on a
+    # CPU (--tiny, numbers meaningless) it overlaps our rows to save wall time.
+    if jax_backend() != "cpu":
+      hf.join()
+  else:
+    for seq, batch in sizes.model_shapes:
+      rec.row(kind="model", row="hf_transformers", impl="hf_transformers_pytorch", seq=seq,
+              batch=batch, status="skipped",
+              reason=f"skipped: section budget: the HF child needs about "
+              f"{sizes.hf_child_min_s:.0f} s (imports, the logits agreement check, its steps), "
+              f"{hf_budget:.0f} s were its share")
 
   def record_hf():
     hf.join()
@@ -48,27 +61,38 @@ def section_model(rec: Recorder, sizes: Sizes, args) -> None:
         rec.row(kind="model", row="hf_transformers", impl="hf_transformers_pytorch", seq=seq,
                 batch=batch, status="failed", error=f"HF child rc={rc}: {tail[-600:]}")
 
-  hf_recorded = not hf.is_alive()
-  if hf_recorded:
+  hf_recorded = not (hf_started and hf.is_alive())
+  if hf_started and hf_recorded:
     record_hf()
   margs = model_bench.parse_args([*sizes.model_argv, "--no-hf"])
-  try:
-    check = model_bench.check_full_attention(model_bench.make_config(margs, 128))
-    rec.note(full_attention_check=check)
-    rec.log(f"full-attention swap check: {check}")
-  except Exception as e:
-    rec.note(full_attention_check=f"{type(e).__name__}: {str(e)[:300]}")
   trace_dir = str(pathlib.Path(args.out) / "trace")
   # The masked head and the full-attention model at every shape first, then the full head.
   first = [row for row in sizes.model_rows if row != "longformer_jax"]
   order = [(row, shape) for shape in sizes.model_shapes for row in first]
   order += [("longformer_jax", shape) for shape in sizes.model_shapes
             if "longformer_jax" in sizes.model_rows]
+  swap_check = None  # the full-attention rows' precondition, run before the first of them
   for row, (seq, batch) in order:
     what = dict(kind="model", row=row, impl=model_bench.impl_name(row, margs.impl), seq=seq,
                 batch=batch)
-    if not rec.fits("model", sizes.model_first_estimate_s):
+    checking = row == "full_attention" and swap_check is None
+    # The check before the first full-attention row costs about as much as a row (56 s on an
+    # H100): both must fit.
+    if not rec.fits("model", sizes.model_first_estimate_s * (2 if checking else 1)):
       rec.skipped(**what)
+      continue
+    if checking:
+      try:
+        swap_check = model_bench.check_full_attention(model_bench.make_config(margs, 128))
+        rec.log(f"full-attention swap check: {swap_check}")
+      except Exception as e:
+        swap_check = f"{type(e).__name__}: {str(e)[:300]}"
+      rec.note(full_attention_check=swap_check)
+    if row == "full_attention" and not (isinstance(swap_check, dict)
+                                        and model_bench.full_attention_check_ok(swap_check)):
+      # Like a peer that disagrees: a failed row, never timed.
+      rec.row(status="failed", reason="the full-attention model is not the one it claims "
+              f"(swap check: {swap_check})", **what)
       continue
     started = time.time()
     try:
