@@ -29,13 +29,14 @@ Sections, run in this order by default (most important first; `--sections` reord
      says whether it is a semantic difference or a cuDNN fault (e.g. an int32 overflow near N*N >=
      2^31). A gradient check at 4096. Standalone repro: benchmarks/cudnn_window_repro.py.
   c  peers, each output checked against ours on the SAME inputs before it is timed (a peer that
-     disagrees is a failed row with its max |diff|, never timed): cuDNN causal sliding window
-     (in this JAX process), torch flex_attention with a sliding-window block mask (bidirectional
-     and causal) and HF LongformerSelfAttention (bidirectional; its q/k/v projections set to
-     feature permutations, so it attends exactly the q, k, v ours gets), EVERY torch peer in its
-     own child process (JAX's allocator keeps the GPU memory it took). Inputs are generated on
-     the device by the same integer hash in JAX and in torch (bit-identical; a digest proves it);
-     outputs are compared on the first and last 1024 rows and every 31st row.
+     disagrees is a failed row with its max |diff|, never timed): cuDNN causal sliding window (in
+     this JAX process), torch flex_attention with a sliding-window block mask (bidirectional and
+     causal) and HF LongformerSelfAttention (bidirectional; its q/k/v projections set to feature
+     permutations, so it attends exactly the q, k, v ours gets). Our outputs and the cuDNN rows come
+     from a child process that ends before the torch peers start, EVERY torch peer in its own child
+     process (JAX's allocator keeps the GPU memory it took). Inputs are generated on the device by
+     the same integer hash in JAX and in torch (bit-identical; a digest proves it); outputs are
+     compared on the first and last 1024 rows and every 31st row.
   f  block-size sweep of the Pallas kernel (benchmarks/block_sweep.py).
   e  whole model (benchmarks/model.py), last: it takes what the others leave, and all of it
      needs about 300 s (`--sections e --budget-s 300`). HF transformers in its own process
@@ -73,7 +74,7 @@ sys.path.insert(0, str(BENCH))
 
 import harness
 from suite.common import DEFAULT_ORDER, SECTION_NAMES, TINY_ORDER
-from suite.peers import torch_child
+from suite.peers import peers_jax_phase, torch_child
 from suite.runner import orchestrate, run_section
 
 
@@ -97,6 +98,7 @@ def parse_args(argv=None):
   parser.add_argument("--t0", type=float, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
   parser.add_argument("--torch-child", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--peers-jax", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.budget_s is None:
     args.budget_s = 900.0 if args.tiny else 420.0
@@ -118,6 +120,8 @@ def main(argv=None):
   args = parse_args(argv)
   if args.torch_child:
     torch_child(args.torch_child)
+  elif args.peers_jax:
+    peers_jax_phase(args.peers_jax)
   elif args.run_section:
     run_section(args)
   else:

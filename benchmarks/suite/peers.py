@@ -1,5 +1,7 @@
-"""Section c: peers checked against ours on the same inputs, then timed; the torch peers run in
-their own child process (`torch_child`, no JAX there).
+"""Section c: peers checked against ours on the same inputs, then timed. Our outputs and the
+cuDNN rows come from a child process (`peers_jax_phase`) that ends before the torch peers start,
+each in a child process of its own (`torch_child`, no JAX there), so that they get the GPU's
+memory.
 """
 
 from __future__ import annotations
@@ -12,93 +14,123 @@ import sys
 import tempfile
 import time
 
-from .common import (GRACE_S, SCRIPT, Recorder, Sizes, compare_outputs, compared_rows,
-                     compile_aot, digest_jax, digest_torch, hashed_jax, hashed_torch,
-                     peer_tolerance, run_child, torch_child_env)
+from .common import (GPU_SIZES, GRACE_S, SCRIPT, TINY_SIZES, Recorder, Sizes, compare_outputs,
+                     compared_rows, compile_aot, digest_jax, digest_torch, hashed_jax,
+                     hashed_torch, jax_backend, peer_tolerance, run_child, torch_child_env)
 
 
 def section_peers(rec: Recorder, sizes: Sizes, args) -> None:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from attention import Shape
-  from longformer_jax import ops
-
-  gpu = jax.default_backend() == "gpu"
-  heads, head_dim, window = sizes.attn
-  dtype = jnp.dtype(sizes.dtype)
-  tol = peer_tolerance(sizes.dtype)
   data_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpu_suite_peers_"))
-  embed = heads * head_dim
-  perms = dict(k=(np.arange(embed) * 5 + 3) % embed, v=(np.arange(embed) * 7 + 1) % embed)
-  ours = jax.jit(lambda q, k, v, causal: ops.longformer_attention(
-      q, k, v, window=window, causal=causal, impl="pallas"), static_argnums=3)
-  flex_cases, hf_cases = [], []
-  injected = False
   try:
-    # 1. Our outputs on the peers' inputs (pallas), saved on the compared rows.
-    for seq, batch in sizes.peer_shapes:
-      dims = (batch, seq, heads, head_dim)
-      rows = compared_rows(seq)
-      for mode in ("bidir", "causal"):
-        if not rec.fits("expected", sizes.first_row_estimate_s):
-          break
-        started = time.time()
-        q, k, v = (hashed_jax(dims, s, dtype) for s in (1, 2, 3))
-        out = ours(q, k, v, mode == "causal")
-        expected = np.array(out[:, rows], np.float32)  # a writable copy
-        if args.inject_peer_fault and not injected:
-          expected[0, 0, 0, 0] += 1.0  # the first flex check must now fail
-          injected = True
-        path = data_dir / f"flex_{mode}_{seq}x{batch}.npz"
-        np.savez(path, rows=rows, expected=expected)
-        flex_cases.append(dict(seq=seq, batch=batch, mode=mode, expected=str(path),
-                               digest=digest_jax(q, k, v)))
-        # 2. cuDNN (causal only: it has no right window), in this process, on the same inputs.
-        what = dict(kind="peer", peer="jax_cudnn_sliding_window", mode=mode, seq=seq,
-                    batch=batch, heads=heads, head_dim=head_dim, window=window,
-                    dtype=sizes.dtype)
-        if not gpu:
-          rec.row(status="skipped", reason="skipped: no GPU", **what)
-        elif mode == "bidir":
-          rec.row(status="skipped", reason="unsupported: cuDNN's sliding window has no right "
-                  "window (jax raises for right > 0 without is_causal)", **what)
-        else:
-          cudnn_row(rec, what, q, k, v, out, window, tol, sizes.reps,
-                    Shape(seq=seq, batch=batch, heads=heads, head_dim=head_dim, window=window,
-                          causal=True))
-        if mode == "bidir":  # HF: q, k, v as feature permutations of one hidden state x
-          x = q.reshape(batch, seq, embed)
-          k_h, v_h = (x[..., perms[n]].reshape(dims) for n in ("k", "v"))
-          out_h = ours(q, k_h, v_h, False)
-          path = data_dir / f"hf_{seq}x{batch}.npz"
-          np.savez(path, rows=rows, expected=np.asarray(out_h[:, rows], np.float32),
-                   perm_k=perms["k"], perm_v=perms["v"])
-          hf_cases.append(dict(seq=seq, batch=batch, mode=mode, expected=str(path),
-                               digest=digest_jax(q)))
-        del q, k, v, out
-        rec.cost("expected", time.time() - started)
-    # 3. The torch peers, each in its own process.
+    # 1-2. Our outputs and the cuDNN rows in a child process of their own: JAX keeps the GPU
+    # memory it took until its process ends, which on an 80 GB H100 left the torch peers
+    # 16.5 GiB short (flex_attention and HF's backward ran out of memory at 64k).
+    spec_path = data_dir / "jax_phase.json"
+    spec_path.write_text(json.dumps(dict(
+        part=str(rec.path), t0=rec.t0, deadline=rec.deadline, tiny=bool(args.tiny),
+        inject_peer_fault=bool(args.inject_peer_fault), data_dir=str(data_dir))))
+    jax_rc, jax_tail = run_child([sys.executable, str(SCRIPT), "--peers-jax", str(spec_path)],
+                                 rec.deadline + GRACE_S / 2, rec.t0, "peers/jax")
+    cases_path = data_dir / "cases.json"
+    cases = (json.loads(cases_path.read_text()) if cases_path.exists()
+             else dict(flex=[], hf=[]))
+    # 3. The torch peers, each in its own process, on the cases the JAX phase made.
+    heads, head_dim, window = sizes.attn
+    gpu = jax_backend() == "gpu"
     common = dict(heads=heads, head_dim=head_dim, window=window, dtype=sizes.dtype,
-                  reps=sizes.reps, tolerance=tol, part=str(rec.path), t0=rec.t0,
-                  first_estimate_s=sizes.first_row_estimate_s * (3 if gpu else 1))
-    children = (("torch_flex_attention", flex_cases), ("hf_LongformerSelfAttention", hf_cases))
-    for index, (peer, cases) in enumerate(children):
+                  reps=sizes.reps, tolerance=peer_tolerance(sizes.dtype), part=str(rec.path),
+                  t0=rec.t0, first_estimate_s=sizes.first_row_estimate_s * (3 if gpu else 1))
+    children = (("torch_flex_attention", cases["flex"]),
+                ("hf_LongformerSelfAttention", cases["hf"]))
+    for index, (peer, peer_cases) in enumerate(children):
       remaining = rec.deadline - time.time()
       # The first child may use at most 60% of what is left, so the second gets a turn.
       deadline = time.time() + (remaining * 0.6 if index == 0 else remaining)
-      spec = dict(common, peer=peer, cases=cases, deadline=deadline)
+      spec = dict(common, peer=peer, cases=peer_cases, deadline=deadline)
       spec_path = data_dir / f"{peer}.json"
       spec_path.write_text(json.dumps(spec))
-      rec.log(f"{peer}: child process, {len(cases)} cases, {deadline - time.time():.0f} s")
+      rec.log(f"{peer}: child process, {len(peer_cases)} cases, {deadline - time.time():.0f} s")
       rc, tail = run_child([sys.executable, str(SCRIPT), "--torch-child", str(spec_path)],
                            deadline + GRACE_S / 2, rec.t0, f"peers/{peer}",
                            env=torch_child_env())
       if rc != 0:
         rec.row(kind="peer", peer=peer, status="failed",
                 error=f"child process rc={rc}: {tail[-600:]}")
+    if jax_rc != 0:
+      raise RuntimeError(f"the JAX phase (our outputs, cuDNN) ended with rc={jax_rc}: "
+                         f"{jax_tail[-600:]}")
   finally:
     shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def peers_jax_phase(spec_path: str) -> None:
+  """Section c's JAX work, in its own process (`--peers-jax`): our outputs on the peers' inputs
+  (pallas), saved on the compared rows for the torch children, and the cuDNN rows. Writes the
+  torch children's cases to `cases.json` in the data folder after each one, so a kill keeps the
+  cases made."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  import harness
+  from attention import Shape
+  from longformer_jax import ops
+
+  spec = json.loads(pathlib.Path(spec_path).read_text())
+  sizes = TINY_SIZES if spec["tiny"] else GPU_SIZES
+  rec = Recorder(pathlib.Path(spec["part"]), "c", spec["t0"], spec["deadline"])
+  data_dir = pathlib.Path(spec["data_dir"])
+  gpu = jax.default_backend() == "gpu"
+  heads, head_dim, window = sizes.attn
+  dtype = jnp.dtype(sizes.dtype)
+  tol = peer_tolerance(sizes.dtype)
+  embed = heads * head_dim
+  perms = dict(k=(np.arange(embed) * 5 + 3) % embed, v=(np.arange(embed) * 7 + 1) % embed)
+  ours = jax.jit(lambda q, k, v, causal: ops.longformer_attention(
+      q, k, v, window=window, causal=causal, impl="pallas"), static_argnums=3)
+  cases = dict(flex=[], hf=[])
+  injected = False
+  for seq, batch in sizes.peer_shapes:
+    dims = (batch, seq, heads, head_dim)
+    rows = compared_rows(seq)
+    for mode in ("bidir", "causal"):
+      if not rec.fits("expected", sizes.first_row_estimate_s):
+        break
+      started = time.time()
+      q, k, v = (hashed_jax(dims, s, dtype) for s in (1, 2, 3))
+      out = ours(q, k, v, mode == "causal")
+      expected = np.array(out[:, rows], np.float32)  # a writable copy
+      if spec["inject_peer_fault"] and not injected:
+        expected[0, 0, 0, 0] += 1.0  # the first flex check must now fail
+        injected = True
+      path = data_dir / f"flex_{mode}_{seq}x{batch}.npz"
+      np.savez(path, rows=rows, expected=expected)
+      cases["flex"].append(dict(seq=seq, batch=batch, mode=mode, expected=str(path),
+                                digest=digest_jax(q, k, v)))
+      # cuDNN (causal only: it has no right window), in this process, on the same inputs.
+      what = dict(kind="peer", peer="jax_cudnn_sliding_window", mode=mode, seq=seq,
+                  batch=batch, heads=heads, head_dim=head_dim, window=window,
+                  dtype=sizes.dtype)
+      if not gpu:
+        rec.row(status="skipped", reason="skipped: no GPU", **what)
+      elif mode == "bidir":
+        rec.row(status="skipped", reason="unsupported: cuDNN's sliding window has no right "
+                "window (jax raises for right > 0 without is_causal)", **what)
+      else:
+        cudnn_row(rec, what, q, k, v, out, window, tol, sizes.reps,
+                  Shape(seq=seq, batch=batch, heads=heads, head_dim=head_dim, window=window,
+                        causal=True))
+      if mode == "bidir":  # HF: q, k, v as feature permutations of one hidden state x
+        x = q.reshape(batch, seq, embed)
+        k_h, v_h = (x[..., perms[n]].reshape(dims) for n in ("k", "v"))
+        out_h = ours(q, k_h, v_h, False)
+        path = data_dir / f"hf_{seq}x{batch}.npz"
+        np.savez(path, rows=rows, expected=np.asarray(out_h[:, rows], np.float32),
+                 perm_k=perms["k"], perm_v=perms["v"])
+        cases["hf"].append(dict(seq=seq, batch=batch, mode=mode, expected=str(path),
+                                digest=digest_jax(q)))
+      harness.write_json(data_dir / "cases.json", cases)
+      del q, k, v, out
+      rec.cost("expected", time.time() - started)
 
 
 def cudnn_row(rec, what, q, k, v, ours_out, window, tol, reps, shape) -> None:
