@@ -30,7 +30,7 @@ Sections, run in this order by default (most important first; `--sections` reord
      2^31). A gradient check at 4096. Standalone repro: benchmarks/cudnn_window_repro.py.
   c  peers, each output checked against ours on the SAME inputs before it is timed (a peer that
      disagrees is a failed row with its max |diff|, never timed): cuDNN causal sliding window (in
-     this JAX process), torch flex_attention with a sliding-window block mask (bidirectional and
+     JAX), torch flex_attention with a sliding-window block mask (bidirectional and
      causal) and HF LongformerSelfAttention (bidirectional; its q/k/v projections set to feature
      permutations, so it attends exactly the q, k, v ours gets). Our outputs and the cuDNN rows come
      from a child process that ends before the torch peers start, EVERY torch peer in its own child
