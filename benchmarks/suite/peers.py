@@ -23,8 +23,8 @@ def section_peers(rec: Recorder, sizes: Sizes, args) -> None:
   data_dir = pathlib.Path(tempfile.mkdtemp(prefix="gpu_suite_peers_"))
   try:
     # 1-2. Our outputs and the cuDNN rows in a child process of their own: JAX keeps the GPU
-    # memory it took until its process ends, which on an 80 GB H100 left the torch peers
-    # 16.5 GiB short (flex_attention and HF's backward ran out of memory at 64k).
+    # memory it took until its process ends. On an 80 GB H100 it held 16.5 GiB while the torch
+    # peers ran, and HF's backward at 64k x 8 ran out of memory (12 GiB asked, 8.9 free).
     spec_path = data_dir / "jax_phase.json"
     spec_path.write_text(json.dumps(dict(
         part=str(rec.path), t0=rec.t0, deadline=rec.deadline, tiny=bool(args.tiny),
